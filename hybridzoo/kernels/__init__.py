@@ -1,0 +1,199 @@
+"""The kernel ops of hybridzoo: one signature each, several backends.
+
+Conventions (shared/DESIGN.md):
+
+* sequence-first layout: q/k/v ``[B, T, H, D]``, gates ``[B, T, H]`` or ``[B, T, H, K]``;
+* decays are given as logs, ``log_a <= 0``, float32; ``log_a = -inf`` is a reset (gives 0);
+* recurrent states are float32 whatever the input dtype: ``[B, H, K, V]`` (keys are rows) for
+  the chunkwise ops, ``[B, D, N]`` for the selective scan;
+* q and k may have fewer heads than v: each q/k head serves ``H_v / H_k`` value heads;
+* every op returns ``(output, final_state)``, ``final_state`` is None unless
+  ``output_final_state=True``; ``attention`` returns ``(output, lse)``;
+* gradients flow into ``initial_state`` and from ``final_state``.
+
+Every op takes ``backend="auto" | "reference" | ...`` (see :mod:`hybridzoo.kernels._dispatch`).
+The single-token step functions (``*_step``) are the decoding forms; they are pure PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridzoo.kernels._dispatch import BACKENDS, BackendUnavailable, resolve
+from hybridzoo.kernels.reference import (
+    causal_conv1d_step,
+    delta_rule_step,
+    linear_attn_step,
+    merge_attention,
+    selective_scan_step,
+)
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
+    "chunk_linear_attn",
+    "chunk_delta_rule",
+    "selective_scan",
+    "attention",
+    "merge_attention",
+    "causal_conv1d",
+    "linear_attn_step",
+    "delta_rule_step",
+    "selective_scan_step",
+    "causal_conv1d_step",
+]
+
+
+def chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_a: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise (gated) linear attention: ``S_t = diag(a_t) S_{t-1} + k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
+
+    Args:
+        q, k: ``[B, T, Hk, K]``.
+        v: ``[B, T, H, V]`` with ``H % Hk == 0``.
+        log_a: None (no decay), ``[B, T, H]`` (one decay per head: RetNet, Mamba-2 SSD) or
+            ``[B, T, H, K]`` (one decay per key: GLA); float32, ``<= 0``.
+        scale: multiplies the read; default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` float32 or None (zeros).
+        output_final_state: also return the state after the last token.
+        chunk_size: tokens per chunk, any value >= 1 (T need not be a multiple).
+
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``.
+    """
+    impl = resolve("chunk_linear_attn", backend, q.device)
+    return impl(q, k, v, log_a, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_a: torch.Tensor | None,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise gated delta rule: ``S_t = a_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` (k is usually L2-normalised by the caller).
+        v: ``[B, T, H, V]`` with ``H % Hk == 0``.
+        log_a: ``[B, T, H]`` float32 ``<= 0``, or None for DeltaNet without decay.
+        beta: ``[B, T, H]`` write strengths, usually in (0, 1).
+        scale, initial_state, output_final_state, chunk_size: as in :func:`chunk_linear_attn`.
+
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``.
+    """
+    impl = resolve("chunk_delta_rule", backend, q.device)
+    return impl(q, k, v, log_a, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-1 selective scan, sequence-first.
+
+    Per channel d and state entry n: ``Δ = softplus?(delta + delta_bias)``,
+    ``h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t``, ``y_t = C_t · h_t + D u_t``, then
+    ``y_t *= silu(z_t)`` when z is given.
+
+    Args:
+        u, delta, z: ``[B, T, Dm]``.
+        A: ``[Dm, N]`` (negative), float32.
+        B, C: ``[B, T, N]`` or ``[B, T, G, N]`` (G groups, each serving ``Dm / G`` channels).
+        D, delta_bias: ``[Dm]``.
+        initial_state: ``[B, Dm, N]`` float32 or None.
+
+    Returns:
+        ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32 or None)``.
+    """
+    impl = resolve("selective_scan", backend, u.device)
+    return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                initial_state=initial_state, output_final_state=output_final_state)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal softmax attention, full or sliding-window, optionally after a K/V prefix.
+
+    Query ``i`` of this call sits at absolute position ``P + i`` (``P`` = prefix length) and
+    attends to key positions ``j <= P + i``, and with a window only to ``P + i - j < window``.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hk, D]`` / ``[B, T, Hk, Dv]``, ``Hq % Hk == 0``.
+        window: None (full) or the number of positions each query sees, itself included.
+        prefix: ``(k_prefix, v_prefix)`` of shape ``[B, P, Hk, D]`` / ``[B, P, Hk, Dv]``.
+        scale: default ``D ** -0.5``.
+        return_lse: also return the log-sum-exp of the scaled scores ``[B, T, Hq]`` float32.
+
+    Returns:
+        ``(o [B, T, Hq, Dv] in q.dtype, lse or None)``.
+    """
+    impl = resolve("attention", backend, q.device)
+    return impl(q, k, v, window=window, prefix=prefix, scale=scale, return_lse=return_lse)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    activation: str | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution with a carried tail.
+
+    ``y_t[d] = bias[d] + Σ_{i<W} weight[d, i] · x_{t-W+1+i}[d]`` where positions before 0 come
+    from ``initial_state`` (zeros if None); then ``activation`` (None or ``"silu"``).
+
+    Args:
+        x: ``[B, T, Dm]``; weight: ``[Dm, W]``; bias: ``[Dm]`` or None.
+        initial_state: the last ``W − 1`` inputs before this call, ``[B, W-1, Dm]``.
+
+    Returns:
+        ``(y [B, T, Dm] in x.dtype, final_state [B, W-1, Dm] or None)``.
+    """
+    impl = resolve("causal_conv1d", backend, x.device)
+    return impl(x, weight, bias, initial_state=initial_state,
+                output_final_state=output_final_state, activation=activation)

@@ -1,0 +1,52 @@
+"""The base class of every token mixer: input checks and the recurrent/chunked split."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hybridzoo.layers.state import MixerState, StateError
+
+
+class Mixer(nn.Module):
+    """A token mixer: ``y, state = mixer(x, state=None)`` with ``x, y: [B, T, d_model]``.
+
+    Subclasses set ``kind`` and implement :meth:`mix` (``x`` already checked) and
+    :meth:`expected_state` (the shapes/dtypes of the state fields for a batch). ``forward``
+    validates the input and the incoming state so that mistakes give a clear message
+    instead of a shape error deep inside a kernel.
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        if d_model <= 0:
+            raise ValueError(f"{type(self).__name__}: d_model must be positive, got {d_model}")
+        self.d_model = d_model
+
+    def expected_state(self, batch_size: int, dtype: torch.dtype
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Field name -> (shape, dtype) of a valid state for this mixer and batch."""
+        raise NotImplementedError
+
+    def mix(self, x: torch.Tensor, state: MixerState | None) -> tuple[torch.Tensor, MixerState]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, state: MixerState | None = None
+                ) -> tuple[torch.Tensor, MixerState]:
+        name = type(self).__name__
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected x of shape [B, T, d_model={self.d_model}], got {shape}")
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"{name}: x has last dimension {x.shape[-1]}, expected d_model={self.d_model}")
+        if x.shape[1] == 0:
+            raise ValueError(f"{name}: x has no tokens (T=0)")
+        if state is not None:
+            if not isinstance(state, MixerState):
+                raise StateError(f"{name}: state must be a MixerState or None, got {type(state).__name__}")
+            state.check(self.kind, x.shape[0], x.device, self.expected_state(x.shape[0], x.dtype))
+        return self.mix(x, state)

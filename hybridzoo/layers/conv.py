@@ -1,0 +1,48 @@
+"""Depthwise short causal convolution with a carried tail (Mamba, Mamba-2, GLA, Gated DeltaNet)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hybridzoo.kernels import causal_conv1d, causal_conv1d_step
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv over time, optional bias, optional SiLU.
+
+    ``weight [channels, kernel_size]`` (mamba_ssm's ``conv1d.weight[:, 0, :]``).
+    Shapes: ``x [B, T, channels]``, tail state ``[B, kernel_size - 1, channels]`` in x.dtype.
+    T=1 with a state takes the single-step form.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = True,
+                 activation: str | None = "silu", backend: str = "auto"):
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"ShortConv: kernel_size must be >= 1, got {kernel_size}")
+        self.channels, self.kernel_size, self.activation, self.backend = (
+            channels, kernel_size, activation, backend)
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default initialisation (fan_in = kernel_size for a depthwise conv)
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(y [B, T, channels], new_tail [B, kernel_size - 1, channels])``."""
+        if x.shape[1] == 1 and tail is not None:
+            y, new_tail = causal_conv1d_step(x[:, 0], self.weight, self.bias, tail,
+                                             activation=self.activation)
+            return y[:, None], new_tail
+        return causal_conv1d(x, self.weight, self.bias, initial_state=tail,
+                             output_final_state=True, activation=self.activation,
+                             backend=self.backend)

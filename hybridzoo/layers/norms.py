@@ -1,0 +1,70 @@
+"""RMSNorm and gated RMSNorm, shared by every mixer and by HybridLM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x², -1) + eps)`` computed in float32 (float64 kept), same shape."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation over the last dimension.
+
+    ``y = normalize(x) * w`` with ``w = weight`` (Llama) or ``w = 1 + weight`` when
+    ``zero_centered=True`` (Qwen3-Next / Qwen3.5 / Gemma keep the weight centred on 0).
+
+    Shapes: ``x [..., dim]`` -> ``[..., dim]`` in ``x.dtype``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.dim, self.eps, self.zero_centered = dim, eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = 1.0 + self.weight if self.zero_centered else self.weight
+        y = rms_normalize(x, self.eps) * weight.to(torch.promote_types(weight.dtype, torch.float32))
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a SiLU gate, normalised in groups of ``group_size`` channels.
+
+    * ``norm_before_gate=True`` (Gated DeltaNet, Qwen3-Next): ``normalize(x) * w * silu(z)``.
+    * ``norm_before_gate=False`` (Mamba-2): ``normalize(x * silu(z)) * w``.
+
+    Shapes: ``x, z [..., dim]`` -> ``[..., dim]`` in ``x.dtype``; ``dim % group_size == 0``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None,
+                 norm_before_gate: bool = True):
+        super().__init__()
+        group_size = group_size or dim
+        if dim % group_size:
+            raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {group_size}")
+        self.dim, self.eps, self.group_size, self.norm_before_gate = dim, eps, group_size, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xf, gate = x.to(compute), F.silu(z.to(compute))
+        if not self.norm_before_gate:
+            xf = xf * gate
+        groups = xf.unflatten(-1, (self.dim // self.group_size, self.group_size))
+        y = rms_normalize(groups, self.eps).flatten(-2) * self.weight.to(compute)
+        if self.norm_before_gate:
+            y = y * gate
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.dim}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}")

@@ -1,0 +1,46 @@
+"""Rotary position embeddings (rotate-half convention of Llama / Qwen), with position offsets."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding on the first ``rotary_dim`` channels of each head (partial rotary).
+
+    ``inv_freq[i] = base ** (-2i / rotary_dim)``. Positions start at ``offset`` (the number of
+    tokens already in the state), so a sequence fed in pieces gets the same angles as in one call.
+
+    Shapes: ``x [B, T, H, head_dim]`` -> same shape and dtype.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0):
+        super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"Rotary: rotary_dim must be even and <= head_dim, got {rotary_dim}")
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` (int) -> cos, sin ``[T, rotary_dim]`` in float32 (float64 kept)."""
+        compute = torch.promote_types(dtype, torch.float32)
+        freqs = positions.to(compute)[:, None] * self.inv_freq.to(compute)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        cos, sin = self.cos_sin(positions, x.dtype)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        rot_f = rot.to(cos.dtype)
+        rot = (rot_f * cos + rotate_half(rot_f) * sin).to(x.dtype)
+        return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
