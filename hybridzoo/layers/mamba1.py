@@ -1,0 +1,158 @@
+"""Mamba-1: the selective state space mixer (Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling
+with Selective State Spaces").
+
+Matches mamba_ssm's ``Mamba`` and Hugging Face transformers' ``MambaMixer``
+(``transformers/models/mamba/modeling_mamba.py``), parameter names and shapes included, except
+that ``conv1d.weight`` is ``[d_inner, d_conv]`` here (HF / mamba_ssm: ``[d_inner, 1, d_conv]``;
+a converter squeezes dim 1). For ``x [B, T, d_model]``::
+
+    x_in, z   = in_proj(x).chunk(2)                     # [B, T, d_inner] each
+    u         = silu(causal_conv1d(x_in))               # conv1d: depthwise, kernel d_conv
+    dt, B, C  = x_proj(u).split([dt_rank, N, N])
+    Δ         = softplus(dt_proj(dt))                   # [B, T, d_inner]
+    h_t       = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t u_t     # A = -exp(A_log): [d_inner, N]
+    y_t       = (C_t · h_t + D u_t) · silu(z_t)
+    out       = out_proj(y)
+
+The scan is :func:`hybridzoo.kernels.selective_scan` (``dt_proj.bias`` goes in as its
+``delta_bias`` with ``delta_softplus=True``, like mamba_ssm's fused path); a single token with a
+state takes :func:`hybridzoo.kernels.selective_scan_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridzoo.kernels import selective_scan, selective_scan_step
+from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.conv import ShortConv
+from hybridzoo.layers.state import RecurrentState, state_dtype
+
+
+@dataclass
+class Mamba1Config:
+    """Settings of a :class:`Mamba1` mixer (mamba_ssm ``Mamba`` defaults).
+
+    Attributes:
+        d_state: N, state entries per channel.
+        d_conv: kernel width of the depthwise causal conv.
+        expand: ``d_inner = expand * d_model`` channels.
+        dt_rank: rank of the step-size projection; ``"auto"`` = ``ceil(d_model / 16)``.
+        dt_min, dt_max: the initial step sizes ``softplus(dt_proj.bias)`` are log-uniform in
+            ``[dt_min, dt_max]``.
+        dt_init_floor: lower clamp of those initial step sizes.
+        dt_scale: scales the init of ``dt_proj.weight`` (std ``dt_rank ** -0.5 * dt_scale``).
+        dt_init: ``"random"`` (uniform in ``±std``) or ``"constant"`` (all ``std``).
+        conv_bias: bias in the conv.
+        bias: bias in ``in_proj`` and ``out_proj``.
+    """
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | str = "auto"
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_scale: float = 1.0
+    dt_init: str = "random"
+    conv_bias: bool = True
+    bias: bool = False
+
+
+class Mamba1(Mixer):
+    """Mamba-1 mixer: ``y, state = mixer(x, state=None)``, ``x, y: [B, T, d_model]``.
+
+    Parameters (names and shapes as HF ``MambaMixer``): ``in_proj`` (d_model -> 2·d_inner),
+    ``conv1d`` (:class:`ShortConv`, weight ``[d_inner, d_conv]``), ``x_proj``
+    (d_inner -> dt_rank + 2N, no bias), ``dt_proj`` (dt_rank -> d_inner, bias), ``A_log``
+    ``[d_inner, N]``, ``D`` ``[d_inner]``, ``out_proj`` (d_inner -> d_model).
+
+    State: ``RecurrentState(kind="mamba1", recurrent=[B, d_inner, N] float32 (float64 for
+    float64 inputs), conv=[B, d_conv - 1, d_inner] in x.dtype (the conv's last inputs),
+    offset=tokens seen)``.
+    """
+
+    kind = "mamba1"
+
+    def __init__(self, d_model: int, config: Mamba1Config | None = None, backend: str = "auto"):
+        super().__init__(d_model)
+        self.config = config = config or Mamba1Config()
+        self.backend = backend
+        if config.dt_init not in ("random", "constant"):
+            raise ValueError(f"Mamba1: dt_init must be 'random' or 'constant', got {config.dt_init!r}")
+        if isinstance(config.dt_rank, str) and config.dt_rank != "auto":
+            raise ValueError(f"Mamba1: dt_rank must be 'auto' or an int, got {config.dt_rank!r}")
+        self.d_inner = config.expand * d_model
+        self.d_state = config.d_state
+        self.dt_rank = math.ceil(d_model / 16) if config.dt_rank == "auto" else int(config.dt_rank)
+
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=config.bias)
+        self.conv1d = ShortConv(self.d_inner, config.d_conv, bias=config.conv_bias,
+                                activation="silu", backend=backend)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
+        self.D = nn.Parameter(torch.empty(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=config.bias)
+        self.reset_ssm_parameters()
+        for module in (self.in_proj, self.conv1d, self.dt_proj, self.out_proj):
+            if module.bias is not None:
+                module.bias._no_weight_decay = True
+        self.A_log._no_weight_decay = True
+        self.D._no_weight_decay = True
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self) -> None:
+        """mamba_ssm's init: S4D-real ``A = 1..N`` per channel, ``D = 1``, ``dt_proj`` such that
+        ``softplus(dt_proj.bias)`` is log-uniform in ``[dt_min, dt_max]``."""
+        cfg = self.config
+        A = torch.arange(1, self.d_state + 1, dtype=torch.float32).expand(self.d_inner, -1)
+        self.A_log.copy_(torch.log(A))
+        self.D.fill_(1.0)
+        std = self.dt_rank ** -0.5 * cfg.dt_scale
+        if cfg.dt_init == "constant":
+            self.dt_proj.weight.fill_(std)
+        else:
+            self.dt_proj.weight.uniform_(-std, std)
+        dt = torch.exp(torch.rand(self.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
+                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+
+    def expected_state(self, batch_size: int, dtype: torch.dtype
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            "recurrent": ((batch_size, self.d_inner, self.d_state), state_dtype(dtype)),
+            "conv": ((batch_size, self.config.d_conv - 1, self.d_inner), dtype),
+        }
+
+    def mix(self, x: torch.Tensor, state: RecurrentState | None
+            ) -> tuple[torch.Tensor, RecurrentState]:
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
+        x_in, z = self.in_proj(x).chunk(2, dim=-1)                          # [B, T, d_inner]
+        u, conv_tail = self.conv1d(x_in, None if state is None else state.conv)
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.linear(dt, self.dt_proj.weight)                          # bias added in the scan
+        A = -torch.exp(self.A_log.to(state_dtype(self.A_log.dtype)))        # [d_inner, N]
+        if x.shape[1] == 1 and state is not None:
+            y, recurrent = selective_scan_step(
+                u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], self.D, z[:, 0],
+                delta_bias=self.dt_proj.bias, delta_softplus=True, state=state.recurrent)
+            y = y[:, None]
+        else:
+            y, recurrent = selective_scan(
+                u, delta, A, B, C, self.D, z, delta_bias=self.dt_proj.bias, delta_softplus=True,
+                initial_state=None if state is None else state.recurrent,
+                output_final_state=True, backend=self.backend)
+        offset = x.shape[1] + (0 if state is None else state.offset)
+        out = self.out_proj(y.to(x.dtype))
+        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "
+                f"dt_rank={self.dt_rank}, d_conv={self.config.d_conv}")

@@ -1,0 +1,172 @@
+"""Mamba-2: the SSD mixer (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality").
+
+Matches mamba_ssm's ``Mamba2`` and Hugging Face transformers' ``Mamba2Mixer``
+(``transformers/models/mamba2/modeling_mamba2.py``), parameter names and shapes included, except
+that ``conv1d.weight`` is ``[conv_dim, d_conv]`` here (HF / mamba_ssm: ``[conv_dim, 1, d_conv]``;
+a converter squeezes dim 1). With ``H = d_inner / head_dim`` heads of size ``P = head_dim``,
+``G = n_groups`` groups of B/C of size ``N = d_state`` (head ``h`` reads group ``h // (H / G)``)::
+
+    z, xBC, dt = in_proj(x).split([d_inner, d_inner + 2GN, H])    # HF's order; no d_mlp part
+    x, B, C    = silu(causal_conv1d(xBC)).split([d_inner, GN, GN])
+    Δ          = clamp(softplus(dt + dt_bias), *time_step_limit)   # [B, T, H] float32
+    S_t        = exp(Δ_t A) S_{t-1} + B_t (Δ_t x_t)ᵀ              # per head, S: [N, P], A = -exp(A_log)
+    y_t        = S_tᵀ C_t + D x_t
+    out        = out_proj(rmsnorm(y ⊙ silu(z)) per group of d_inner / G channels)
+
+The scan is SSD, i.e. :func:`hybridzoo.kernels.chunk_linear_attn` with a scalar decay per head:
+``q = C``, ``k = B``, ``v = Δ x``, ``log_a = Δ A``, ``scale = 1``; a single token with a state
+takes :func:`hybridzoo.kernels.linear_attn_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
+from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.conv import ShortConv
+from hybridzoo.layers.norms import GatedRMSNorm
+from hybridzoo.layers.state import RecurrentState, state_dtype
+
+
+@dataclass
+class Mamba2Config:
+    """Settings of a :class:`Mamba2` mixer (mamba_ssm ``Mamba2`` defaults).
+
+    Attributes:
+        d_state: N, the state rows per head (the size of B and C).
+        d_conv: kernel width of the depthwise causal conv over ``xBC``.
+        expand: ``d_inner = expand * d_model``.
+        head_dim: P, channels per head; ``H = d_inner / head_dim`` heads.
+        n_groups: G, groups of B/C; each serves ``H / G`` heads (and the gated norm is taken
+            over groups of ``d_inner / G`` channels).
+        chunk_size: tokens per chunk of the SSD kernel.
+        dt_min, dt_max: initial step sizes ``softplus(dt_bias)`` are log-uniform in this range.
+        dt_init_floor: lower clamp of those initial step sizes.
+        A_init_range: ``A_log = log(uniform(*A_init_range))`` per head at init.
+        time_step_limit: ``Δ`` is clamped to this range after the softplus.
+        conv_bias: bias in the conv.
+        bias: bias in ``in_proj`` and ``out_proj``.
+        norm_eps: epsilon of the gated RMSNorm.
+    """
+
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    head_dim: int = 64
+    n_groups: int = 1
+    chunk_size: int = 256
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    bias: bool = False
+    norm_eps: float = 1e-5
+
+
+class Mamba2(Mixer):
+    """Mamba-2 mixer: ``y, state = mixer(x, state=None)``, ``x, y: [B, T, d_model]``.
+
+    Parameters (names and shapes as HF ``Mamba2Mixer``): ``in_proj`` (d_model ->
+    2·d_inner + 2GN + H), ``conv1d`` (:class:`ShortConv`, weight ``[conv_dim, d_conv]`` with
+    ``conv_dim = d_inner + 2GN``), ``dt_bias``, ``A_log``, ``D`` (each ``[H]``), ``norm``
+    (:class:`GatedRMSNorm`, weight ``[d_inner]``), ``out_proj`` (d_inner -> d_model).
+
+    State: ``RecurrentState(kind="mamba2", recurrent=[B, H, N, P] float32 (float64 for float64
+    inputs; rows are the B/C state index, i.e. HF's ``[B, H, P, N]`` transposed),
+    conv=[B, d_conv - 1, conv_dim] in x.dtype, offset=tokens seen)``.
+    """
+
+    kind = "mamba2"
+
+    def __init__(self, d_model: int, config: Mamba2Config | None = None, backend: str = "auto"):
+        super().__init__(d_model)
+        self.config = config = config or Mamba2Config()
+        self.backend = backend
+        self.d_inner = config.expand * d_model
+        if self.d_inner % config.head_dim:
+            raise ValueError(f"Mamba2: d_inner = expand * d_model = {self.d_inner} is not a multiple "
+                             f"of head_dim {config.head_dim}")
+        self.n_heads = self.d_inner // config.head_dim
+        if self.n_heads % config.n_groups:
+            raise ValueError(f"Mamba2: the head count {self.n_heads} is not a multiple of "
+                             f"n_groups {config.n_groups}")
+        self.head_dim, self.n_groups, self.d_state = config.head_dim, config.n_groups, config.d_state
+        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
+
+        self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + self.n_heads, bias=config.bias)
+        self.conv1d = ShortConv(self.conv_dim, config.d_conv, bias=config.conv_bias,
+                                activation="silu", backend=backend)
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
+        self.A_log = nn.Parameter(torch.empty(self.n_heads))
+        self.D = nn.Parameter(torch.empty(self.n_heads))
+        self.norm = GatedRMSNorm(self.d_inner, eps=config.norm_eps,
+                                 group_size=self.d_inner // self.n_groups, norm_before_gate=False)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=config.bias)
+        self.reset_ssm_parameters()
+        for module in (self.in_proj, self.conv1d, self.out_proj):
+            if module.bias is not None:
+                module.bias._no_weight_decay = True
+        for p in (self.dt_bias, self.A_log, self.D, self.norm.weight):
+            p._no_weight_decay = True
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self) -> None:
+        """mamba_ssm's init: ``A_log = log(uniform(A_init_range))``, ``D = 1``, ``dt_bias`` such
+        that ``softplus(dt_bias)`` is log-uniform in ``[dt_min, dt_max]``."""
+        cfg = self.config
+        dt = torch.exp(torch.rand(self.n_heads) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
+                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        self.A_log.copy_(torch.log(torch.empty(self.n_heads).uniform_(*cfg.A_init_range)))
+        self.D.fill_(1.0)
+
+    def expected_state(self, batch_size: int, dtype: torch.dtype
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            "recurrent": ((batch_size, self.n_heads, self.d_state, self.head_dim), state_dtype(dtype)),
+            "conv": ((batch_size, self.config.d_conv - 1, self.conv_dim), dtype),
+        }
+
+    def mix(self, x: torch.Tensor, state: RecurrentState | None
+            ) -> tuple[torch.Tensor, RecurrentState]:
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
+        batch, length, _ = x.shape
+        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
+        xBC, conv_tail = self.conv1d(xBC, None if state is None else state.conv)
+        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
+        xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
+        B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
+
+        compute = state_dtype(x.dtype)                                       # float32 (float64)
+        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))          # [B, T, H]
+        if tuple(self.config.time_step_limit) != (0.0, float("inf")):
+            dt = dt.clamp(*self.config.time_step_limit)
+        log_a = dt * -torch.exp(self.A_log.to(compute))                     # Δ A <= 0
+        v = xs.to(compute) * dt[..., None]                                  # Δ x: [B, T, H, P]
+        if length == 1 and state is not None:
+            y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0],
+                                            state.recurrent, scale=1.0)
+            y = y[:, None]
+        else:
+            y, recurrent = chunk_linear_attn(
+                C, B, v, log_a, scale=1.0, initial_state=None if state is None else state.recurrent,
+                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
+        y = y + self.D.to(compute)[:, None] * xs.to(compute)                # [B, T, H, P]
+        y = self.norm(y.reshape(batch, length, self.d_inner), z)
+        offset = length + (0 if state is None else state.offset)
+        out = self.out_proj(y.to(x.dtype))
+        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_inner={self.d_inner}, heads={self.n_heads}x{self.head_dim}, "
+                f"n_groups={self.n_groups}, d_state={self.d_state}, chunk_size={self.config.chunk_size}")
