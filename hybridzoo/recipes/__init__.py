@@ -1,0 +1,1 @@
+"""Packaged recipes (LightningCLI YAML). ``hybridzoo.zoo.recipes.recipe_names()`` lists them."""

@@ -1,0 +1,7 @@
+"""Models: ``HybridConfig``, ``HybridLM``, recipes, generation, safetensors checkpoints."""
+
+from hybridzoo.zoo.checkpoint import CheckpointError
+from hybridzoo.zoo.config import ConfigError, HybridConfig
+from hybridzoo.zoo.model import Block, HybridLM
+
+__all__ = ["Block", "CheckpointError", "ConfigError", "HybridConfig", "HybridLM"]

@@ -1,0 +1,100 @@
+"""Safetensors checkpoints: ``model.safetensors`` + ``config.json``. No pickles anywhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing a file, is corrupted, or does not match its config."""
+
+
+def save_pretrained(model, directory: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (a tied LM head is stored once).
+
+    Files are written to temporary names and renamed, so an interrupted save never leaves a
+    half-written checkpoint under the final names.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tmp_weights = directory / (WEIGHTS_NAME + ".tmp")
+    tmp_config = directory / (CONFIG_NAME + ".tmp")
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt", "library": "hybridzoo"})
+    tmp_config.write_text(model.config.to_json() + "\n")
+    tmp_weights.replace(directory / WEIGHTS_NAME)
+    tmp_config.replace(directory / CONFIG_NAME)
+    return directory
+
+
+def load_pretrained(cls, directory: str | Path, device=None, dtype: torch.dtype | None = None):
+    """Build ``cls(config)`` from ``config.json`` and load ``model.safetensors`` strictly."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from hybridzoo.zoo.config import ConfigError, HybridConfig
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            present = sorted(p.name for p in directory.iterdir())
+            raise CheckpointError(f"{path} is missing (the directory holds {present}); "
+                                  f"a checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    try:
+        config = HybridConfig.from_json(config_path)
+    except (ConfigError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_path}: {error}") from error
+    try:
+        tensors = load_file(str(weights_path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(f"{weights_path} is not a readable safetensors file "
+                              f"(truncated or corrupted?): {error}") from error
+
+    with torch.device("meta"):
+        model = cls(config)
+    expected = model.state_dict()
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights_path} does not match {config_path}: "
+                              f"missing keys {missing[:10]}{' …' if len(missing) > 10 else ''}, "
+                              f"unexpected keys {unexpected[:10]}{' …' if len(unexpected) > 10 else ''}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"{config_path} implies {tuple(expected[name].shape)}")
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(tensors, strict=False, assign=False)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    _restore_buffers(model)
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def _restore_buffers(model) -> None:
+    """Non-persistent buffers (e.g. rotary frequencies) are not in the file: rebuild them by
+    constructing the same modules on CPU and copying."""
+    fresh = type(model)(model.config) if any(True for _ in model.buffers()) else None
+    if fresh is None:
+        return
+    own = dict(model.named_buffers())
+    for name, buffer in fresh.named_buffers():
+        if name in own:
+            own[name].copy_(buffer)

@@ -1,0 +1,181 @@
+"""``HybridLM``: one model class for every mix of the six mixers.
+
+    input_ids [B, T] -> embedding -> n_layers × Block -> RMSNorm -> LM head -> logits [B, T, V]
+
+    Block: x = x + mixer(norm(x));  x = x + mlp(norm(x))      (pre-norm; MLP optional)
+
+Every block's mixer follows the state contract of :mod:`hybridzoo.layers`, so the model's
+state is simply the list of its blocks' states: prefill runs the chunked kernels, decoding
+feeds one token at a time with the state carried, and both are the same function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridzoo.layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from hybridzoo.zoo.config import HybridConfig
+
+ModelState = list  # list[MixerState | None], one entry per block
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Shapes: ``x [B, T, d_model]`` -> ``(x [B, T, d_model], state)``.
+    """
+
+    def __init__(self, config: HybridConfig, kind: str):
+        super().__init__()
+        mixer_cls = MIXERS[kind][0]
+        self.kind = kind
+        self.mixer_norm = RMSNorm(config.d_model, config.norm_eps, config.norm_zero_centered)
+        self.mixer = mixer_cls(config.d_model, getattr(config, kind), backend=config.backend)
+        if config.mlp_width:
+            self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.norm_zero_centered)
+            self.mlp = SwiGLU(config.d_model, config.mlp_width)
+        else:
+            self.mlp_norm, self.mlp = None, None
+
+    def forward(self, x: torch.Tensor, state: MixerState | None = None
+                ) -> tuple[torch.Tensor, MixerState]:
+        y, state = self.mixer(self.mixer_norm(x), state)
+        x = x + y
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x, state
+
+
+class HybridLM(nn.Module):
+    """A causal language model whose blocks mix any of the six mixers.
+
+    ``logits, state = model(input_ids)``; ``logits, state, loss = model(input_ids, labels=...)``.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"HybridLM takes a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds())
+        self.norm = RMSNorm(config.d_model, config.norm_eps, config.norm_zero_centered)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) for the embedding, the MLPs and an untied LM head; the mixers
+        keep the published initialisation they gave themselves."""
+        std = self.config.init_std
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            if block.mlp is not None:
+                for linear in (block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj):
+                    nn.init.normal_(linear.weight, std=std)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        state: ModelState | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        targets: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ):
+        """Run the model.
+
+        Args:
+            input_ids: ``[B, T]`` int64 token ids (or give ``inputs_embeds [B, T, d_model]``).
+            state: the list returned by a previous call (continues that sequence), or None.
+            labels: ``[B, T]`` as in Hugging Face: shifted inside (logits at t predict
+                labels at t+1); -100 is ignored.
+            targets: ``[B, T]`` already aligned with the logits (no shift); -100 ignored.
+
+        Returns:
+            ``(logits [B, T, vocab] in the model dtype, state)``, plus the mean cross-entropy
+            over the non-ignored positions as a third item when labels or targets are given.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("HybridLM: give exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"HybridLM: input_ids must be an int tensor [B, T], got "
+                                 f"{tuple(input_ids.shape)} {input_ids.dtype}")
+            if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
+                raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), "
+                                 f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
+            inputs_embeds = self.embed(input_ids)
+        if state is None:
+            state = [None] * len(self.blocks)
+        if len(state) != len(self.blocks):
+            raise ValueError(f"HybridLM: state has {len(state)} entries, the model has {len(self.blocks)} blocks")
+        x, new_state = inputs_embeds, []
+        for block, block_state in zip(self.blocks, state):
+            x, block_state = block(x, block_state)
+            new_state.append(block_state)
+        logits = self.lm_head(self.norm(x))
+        if labels is None and targets is None:
+            return logits, new_state
+        if labels is not None and targets is not None:
+            raise ValueError("HybridLM: give labels (shifted inside) or targets (aligned), not both")
+        if labels is not None:
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return logits, new_state, lm_loss(logits, targets)
+
+    def init_state(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None,
+                   device: torch.device | str | None = None) -> ModelState:
+        """A state to start from that preallocates what can be preallocated (the K/V stores of
+        attention layers, for ``max_length`` tokens); recurrent layers start from None."""
+        param = next(self.parameters())
+        dtype = dtype or param.dtype
+        device = device or param.device
+        return [block.mixer.init_state(batch_size, max_length, dtype, device)
+                if hasattr(block.mixer, "init_state") else None for block in self.blocks]
+
+    # ---- generation and checkpoints (see generation.py, checkpoint.py, recipes.py) -----------
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs: Any) -> torch.Tensor:
+        """Prefill then decode; see :func:`hybridzoo.zoo.generation.generate`."""
+        from hybridzoo.zoo.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``model.safetensors`` + ``config.json`` into ``directory``."""
+        from hybridzoo.zoo.checkpoint import save_pretrained
+
+        return save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None) -> "HybridLM":
+        from hybridzoo.zoo.checkpoint import load_pretrained
+
+        return load_pretrained(cls, directory, device=device, dtype=dtype)
+
+    @classmethod
+    def from_recipe(cls, name_or_path: str | Path, **overrides: Any) -> "HybridLM":
+        """Build from the model section of a packaged recipe name or a YAML path;
+        ``overrides`` replace HybridConfig fields (e.g. ``layers="mamba2 attn", n_layers=4``)."""
+        from hybridzoo.zoo.recipes import load_recipe_config
+
+        return cls(load_recipe_config(name_or_path, **overrides))
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied LM head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over positions whose target is not -100 (float32 or wider)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
