@@ -171,6 +171,11 @@ def _build(cls: type, data: dict[str, Any], where: str):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(names)}")
+    data = dict(data)
+    for f in dataclasses.fields(cls):  # JSON / YAML give lists where the dataclass keeps tuples
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if isinstance(default, tuple) and isinstance(data.get(f.name), list):
+            data[f.name] = tuple(data[f.name])
     try:
         return cls(**data)
     except ConfigError:

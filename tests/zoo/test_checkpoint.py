@@ -1,0 +1,93 @@
+"""save_pretrained / from_pretrained: safetensors, bit-exact, and clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from hybridzoo import HybridLM
+from hybridzoo.zoo import CheckpointError
+from tests.zoo.tiny import tiny_config
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return HybridLM(tiny_config("mamba1 mamba2 gla retnet gdn attn"))
+
+
+def test_round_trip_is_bit_exact(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = HybridLM.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert loaded.lm_head.weight is loaded.embed.weight
+    ids = torch.randint(0, 37, (2, 9))
+    assert torch.equal(model.eval()(ids)[0], loaded(ids)[0])
+
+
+def test_untied_head_round_trips_and_dtype_device_options(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("gdn attn", tie_embeddings=False))
+    model.save_pretrained(tmp_path)
+    loaded = HybridLM.from_pretrained(tmp_path, dtype=torch.float64, device="cpu")
+    assert loaded.lm_head.weight.dtype == torch.float64
+    assert torch.equal(loaded.lm_head.weight.float(), model.lm_head.weight)
+
+
+def test_missing_files(model, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        HybridLM.from_pretrained(tmp_path / "nope")
+    model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors is missing"):
+        HybridLM.from_pretrained(tmp_path)
+
+
+def test_truncated_and_corrupted_weights(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        HybridLM.from_pretrained(tmp_path)
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        HybridLM.from_pretrained(tmp_path)
+
+
+def test_config_that_does_not_match_the_tensors(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["d_model"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' has shape \(\d+(, \d+)*\), .*config.json implies"):
+        HybridLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        HybridLM.from_pretrained(tmp_path)
+
+
+def test_unknown_and_missing_keys(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['extra.weight'\]"):
+        HybridLM.from_pretrained(tmp_path)
+    del tensors["extra.weight"]
+    del tensors["norm.weight"]
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=r"missing keys \['norm.weight'\]"):
+        HybridLM.from_pretrained(tmp_path)
+
+
+def test_no_pickle_in_checkpoint(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    head = (tmp_path / "model.safetensors").read_bytes()[:8]
+    header_len = int.from_bytes(head, "little")
+    assert 0 < header_len < 10**7  # a safetensors header, not a zip / pickle

@@ -1,0 +1,99 @@
+"""HybridLM over random mixer patterns: forward, backward, decoding == full forward."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hybridzoo import HybridConfig, HybridLM
+from hybridzoo.zoo import ConfigError
+from hybridzoo.utils import rel_err
+from tests.zoo.tiny import KINDS, tiny_config
+
+
+def _random_patterns(n: int, seed: int = 0) -> list[list[str]]:
+    """Seeded random patterns; together they put every kind next to every other kind."""
+    rng = random.Random(seed)
+    patterns = [[a, b] for a, b in itertools.permutations(KINDS, 2)]  # every ordered pair
+    rng.shuffle(patterns)
+    # merge the pairs into a few longer stacks, plus a few fully random ones
+    stacks = [sum(patterns[i:i + 5], []) for i in range(0, len(patterns), 5)]
+    stacks += [[rng.choice(KINDS) for _ in range(rng.randint(2, 6))] for _ in range(n)]
+    return stacks
+
+
+@pytest.mark.parametrize("layers", _random_patterns(3), ids=lambda p: "-".join(p))
+def test_decoding_token_by_token_equals_full_forward(layers):
+    torch.manual_seed(len(layers))
+    model = HybridLM(tiny_config(layers)).double()
+    ids = torch.randint(0, 37, (2, 13))
+    logits, _ = model(ids)
+    # prefill 5 tokens, then decode one at a time with the carried state
+    step_logits, state = model(ids[:, :5])
+    outs = [step_logits]
+    for t in range(5, 13):
+        out, state = model(ids[:, t:t + 1], state)
+        outs.append(out)
+    assert rel_err(torch.cat(outs, 1), logits) <= 1e-10
+
+
+def test_every_pair_of_kinds_appears_in_the_random_patterns():
+    pairs = {(p[i], p[i + 1]) for p in _random_patterns(3) for i in range(len(p) - 1)}
+    assert pairs >= set(itertools.permutations(KINDS, 2))
+
+
+def test_forward_backward_reaches_every_parameter():
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("mamba1 mamba2 gla retnet gdn attn"))
+    ids = torch.randint(0, 37, (2, 11))
+    logits, state, loss = model(ids, labels=ids)
+    assert logits.shape == (2, 11, 37) and len(state) == 6
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert model.lm_head.weight is model.embed.weight  # tied by default
+
+
+def test_loss_is_mean_cross_entropy_over_non_ignored_shifted_labels():
+    torch.manual_seed(1)
+    model = HybridLM(tiny_config("gdn attn")).double()
+    ids = torch.randint(0, 37, (2, 9))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    logits, _, loss = model(ids, labels=labels)
+    logp = logits.log_softmax(-1)
+    picked = [-logp[b, t, labels[b, t + 1]] for b in range(2) for t in range(8) if labels[b, t + 1] != -100]
+    assert abs(loss.item() - torch.stack(picked).mean().item()) < 1e-12
+    _, _, loss_targets = model(ids, targets=torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
+    assert float(loss_targets) == float(loss)
+
+
+def test_config_pattern_repeats_and_validates():
+    cfg = HybridConfig(n_layers=7, layers="gdn gdn gdn attn")
+    assert cfg.layer_kinds() == ["gdn", "gdn", "gdn", "attn", "gdn", "gdn", "gdn"]
+    with pytest.raises(ConfigError, match="unknown mixer kind"):
+        HybridConfig(layers="gdn lstm")
+    with pytest.raises(ConfigError, match="unknown key"):
+        HybridConfig.from_dict({"d_model": 64, "dmodel": 3})
+    with pytest.raises(ConfigError, match=r"gdn: unknown key\(s\) \['heads'\]"):
+        HybridConfig.from_dict({"gdn": {"heads": 3}})
+    with pytest.raises(ConfigError, match="n_layers"):
+        HybridConfig(n_layers=0)
+
+
+def test_config_json_and_yaml_round_trip(tmp_path):
+    cfg = tiny_config("mamba2 attn", tie_embeddings=False)
+    cfg.to_json(tmp_path / "c.json")
+    assert HybridConfig.from_json(tmp_path / "c.json") == cfg
+    assert HybridConfig.from_yaml(cfg.to_yaml()) == cfg
+
+
+def test_bad_inputs_give_clear_errors():
+    model = HybridLM(tiny_config("gla attn"))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 37\)"):
+        model(torch.tensor([[1, 40]]))
+    with pytest.raises(ValueError, match="int tensor"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="state has 1 entries"):
+        model(torch.tensor([[1, 2]]), state=[None])
