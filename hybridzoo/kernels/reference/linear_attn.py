@@ -175,7 +175,7 @@ def chunk_linear_attn(
     K = q.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     sd = _state_dtype(v.dtype)
-    C = chunk_size
+    C = min(chunk_size, T)  # a chunk longer than the sequence only adds padding
     n = -(-T // C)
     pad = n * C - T
 
