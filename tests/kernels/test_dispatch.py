@@ -23,10 +23,23 @@ def test_unknown_backend_names_itself_and_the_choices():
         K.chunk_linear_attn(q, q, q, backend="cuda_magic")
 
 
-def test_backend_without_the_op_says_so():
+def test_backend_without_the_op_says_so(monkeypatch):
+    import hybridzoo.kernels.triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "OPS", ())
     x = torch.randn(1, 4, 3)
     with pytest.raises(K.BackendUnavailable, match="'triton' does not implement causal_conv1d"):
         K.causal_conv1d(x, torch.randn(3, 2), backend="triton")
+
+
+def test_auto_on_cuda_prefers_triton_only_for_its_ops(monkeypatch):
+    import hybridzoo.kernels.triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "OPS", ("causal_conv1d",))
+    monkeypatch.setattr(triton_backend, "causal_conv1d", "triton-impl", raising=False)
+    cuda = torch.device("cuda")
+    assert resolve("causal_conv1d", "auto", cuda) == "triton-impl"
+    assert resolve("attention", "auto", cuda) is reference.attention
 
 
 def test_missing_optional_package_names_the_package_and_the_fix(tmp_path, monkeypatch):
