@@ -174,8 +174,15 @@ def _build(cls: type, data: dict[str, Any], where: str):
     data = dict(data)
     for f in dataclasses.fields(cls):  # JSON / YAML give lists where the dataclass keeps tuples
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if isinstance(default, tuple) and isinstance(data.get(f.name), list):
-            data[f.name] = tuple(data[f.name])
+        value = data.get(f.name)
+        if isinstance(default, tuple) and isinstance(value, list):
+            data[f.name] = tuple(value)
+        elif isinstance(default, float) and isinstance(value, str):
+            # PyYAML reads "1e-5" (no dot) as a string: accept it as the float it means
+            try:
+                data[f.name] = float(value)
+            except ValueError:
+                raise ConfigError(f"{where}.{f.name} must be a number, got {value!r}") from None
     try:
         return cls(**data)
     except ConfigError:

@@ -66,7 +66,7 @@ def test_loss_is_mean_cross_entropy_over_non_ignored_shifted_labels():
     picked = [-logp[b, t, labels[b, t + 1]] for b in range(2) for t in range(8) if labels[b, t + 1] != -100]
     assert abs(loss.item() - torch.stack(picked).mean().item()) < 1e-12
     _, _, loss_targets = model(ids, targets=torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
-    assert float(loss_targets) == float(loss)
+    assert loss_targets.item() == loss.item()
 
 
 def test_config_pattern_repeats_and_validates():
@@ -97,3 +97,10 @@ def test_bad_inputs_give_clear_errors():
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match="state has 1 entries"):
         model(torch.tensor([[1, 2]]), state=[None])
+
+
+def test_yaml_exponent_without_dot_is_read_as_a_float():
+    cfg = HybridConfig.from_yaml("norm_eps: 1e-5\ngla: {norm_eps: 1e-5}\n")
+    assert cfg.norm_eps == 1e-5 and cfg.gla.norm_eps == 1e-5
+    with pytest.raises(ConfigError, match="norm_eps must be a number"):
+        HybridConfig.from_yaml("norm_eps: small\n")
