@@ -3,7 +3,8 @@
 Every public op in :mod:`hybridzoo.kernels` takes ``backend=``:
 
 * ``"auto"``: by device. CPU (and any device without a faster backend for the op) ->
-  ``"reference"``; CUDA -> our ``"triton"`` kernels once they implement the op.
+  ``"reference"``; CUDA -> our ``"triton"`` kernels for the ops they implement, else
+  ``"torch"`` (SDPA / flex_attention) for ``attention``, else ``"reference"``.
 * ``"reference"``: pure PyTorch, any device and dtype (float64 included). THE SPEC.
 * ``"triton"``, ``"fla"``, ``"mamba_ssm"``, ``"torch"``: faster paths, where they exist.
 
@@ -34,14 +35,18 @@ class BackendUnavailable(RuntimeError):
     """Raised when a requested backend is unknown, not installed, or lacks the op."""
 
 
+AUTO_CUDA_ORDER = ("triton", "torch")  # on CUDA: our kernels first, then torch's fused attention
+
+
 def _auto_backend(op: str, device: torch.device) -> str:
     if device.type == "cuda":
-        try:
-            module = importlib.import_module(BACKENDS["triton"][0])
-        except ImportError:
-            return "reference"
-        if op in getattr(module, "OPS", ()):
-            return "triton"
+        for backend in AUTO_CUDA_ORDER:
+            try:
+                module = importlib.import_module(BACKENDS[backend][0])
+            except ImportError:
+                continue
+            if op in getattr(module, "OPS", ()):
+                return backend
     return "reference"
 
 

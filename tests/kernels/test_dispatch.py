@@ -39,7 +39,10 @@ def test_auto_on_cuda_prefers_triton_only_for_its_ops(monkeypatch):
     monkeypatch.setattr(triton_backend, "causal_conv1d", "triton-impl", raising=False)
     cuda = torch.device("cuda")
     assert resolve("causal_conv1d", "auto", cuda) == "triton-impl"
-    assert resolve("attention", "auto", cuda) is reference.attention
+    assert resolve("chunk_delta_rule", "auto", cuda) is reference.chunk_delta_rule
+    from hybridzoo.kernels.backends import torch_sdpa
+
+    assert resolve("attention", "auto", cuda) is torch_sdpa.attention
 
 
 def test_missing_optional_package_names_the_package_and_the_fix(tmp_path, monkeypatch):
