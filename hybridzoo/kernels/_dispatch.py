@@ -26,7 +26,7 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "reference": ("hybridzoo.kernels.reference", None),
     "triton": ("hybridzoo.kernels.triton", "triton (pip install triton; needs a CUDA GPU or TRITON_INTERPRET=1)"),
     "fla": ("hybridzoo.kernels.backends.fla", "flash-linear-attention (pip install 'hybridzoo[fla]')"),
-    "mamba_ssm": ("hybridzoo.kernels.backends.mamba_ssm", "mamba-ssm (pip install 'hybridzoo[mamba]')"),
+    "mamba_ssm": ("hybridzoo.kernels.backends.mamba_ssm", "mamba-ssm and causal-conv1d (pip install 'hybridzoo[mamba]')"),
     "torch": ("hybridzoo.kernels.backends.torch_sdpa", None),
 }
 

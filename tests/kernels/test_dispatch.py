@@ -55,10 +55,30 @@ def test_missing_optional_package_names_the_package_and_the_fix(tmp_path, monkey
         K.chunk_linear_attn(q, q, q, backend="fake")
 
 
-def test_planned_backend_says_it_is_not_there_yet():
+def test_planned_backend_says_it_is_not_there_yet(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "later", ("hybridzoo.kernels.backends.not_written_yet", None))
     q = torch.randn(1, 4, 1, 2)
-    with pytest.raises(K.BackendUnavailable, match=r"'mamba_ssm' is planned but not part"):
-        K.chunk_linear_attn(q, q, q, backend="mamba_ssm")
+    with pytest.raises(K.BackendUnavailable, match=r"'later' is planned but not part"):
+        K.chunk_linear_attn(q, q, q, backend="later")
+
+
+def test_mamba_ssm_backend_without_the_package_names_it():
+    # mamba_ssm is a CUDA build, never installed in CI
+    try:
+        import mamba_ssm  # noqa: F401
+        pytest.skip("mamba_ssm is installed here")
+    except ImportError:
+        pass
+    u = torch.randn(1, 4, 3)
+    with pytest.raises(K.BackendUnavailable, match=r"needs the package 'mamba-ssm'.*hybridzoo\[mamba\]"):
+        K.selective_scan(u, u, -torch.ones(3, 2), torch.randn(1, 4, 2), torch.randn(1, 4, 2), backend="mamba_ssm")
+
+
+def test_fla_backend_refuses_cpu_tensors_clearly():
+    pytest.importorskip("fla", reason="flash-linear-attention not installed")
+    q = torch.randn(1, 4, 1, 2)
+    with pytest.raises(RuntimeError, match="CUDA only"):
+        K.chunk_linear_attn(q, q, q, backend="fla")
 
 
 def test_import_does_not_import_optional_packages():
