@@ -26,13 +26,18 @@ class Rotary(nn.Module):
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"Rotary: rotary_dim must be even and <= head_dim, got {rotary_dim}")
         self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
-        inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``base ** (-2i / rotary_dim)`` in float32, computed on demand (never a buffer, so
+        ``model.to(bfloat16)`` cannot round the frequencies: their error would grow with the
+        position)."""
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
+        return (self.base ** -exponent).float().to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` (int) -> cos, sin ``[T, rotary_dim]`` in float32 (float64 kept)."""
         compute = torch.promote_types(dtype, torch.float32)
-        freqs = positions.to(compute)[:, None] * self.inv_freq.to(compute)[None, :]
+        freqs = positions.to(compute)[:, None] * self.inv_freq(positions.device).to(compute)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 

@@ -170,6 +170,15 @@ class HybridLM(nn.Module):
 
         return cls(load_recipe_config(name_or_path, **overrides))
 
+    @classmethod
+    def from_hf(cls, path: str | Path, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> "HybridLM":
+        """Convert a local Hugging Face checkpoint directory (Mamba, Mamba-2, Qwen3-Next dense,
+        Qwen3.5 text); see :func:`hybridzoo.zoo.convert.from_hf`."""
+        from hybridzoo.zoo.convert import from_hf
+
+        return from_hf(path, device=device, dtype=dtype)
+
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied LM head is counted once)."""
         return sum(p.numel() for p in self.parameters())

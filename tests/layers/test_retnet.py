@@ -92,8 +92,8 @@ def retnet_by_hand(mixer: RetNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
     # rotate-half RoPE: channel pairs (i, i + K/2) turn by angle t * inv_freq[i]
     inv_freq = cfg.rotary_base ** (-torch.arange(0, K, 2, dtype=torch.float64) / K)
-    assert rel_err(mixer.rotary.inv_freq, inv_freq) <= 1e-7                 # the table is kept in float32
-    angle = torch.arange(T, dtype=x.dtype)[:, None] * mixer.rotary.inv_freq.to(x.dtype)
+    assert rel_err(mixer.rotary.inv_freq(), inv_freq) <= 1e-7                 # the table is kept in float32
+    angle = torch.arange(T, dtype=x.dtype)[:, None] * mixer.rotary.inv_freq().to(x.dtype)
     cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
 
     def rotate(u):
