@@ -1,0 +1,216 @@
+"""GPU benchmark: hybridzoo's Triton kernels against fla and mamba_ssm on the shapes of
+shared/ANCHORS.md (bf16 inputs, fp32 decays, medians of ``triton.testing.do_bench``).
+
+Each row: forward and forward+backward time of ours and of the anchor, in the same process,
+the ratio ours/anchor, the HBM byte floor of the forward (inputs read once + output written
+once over the measured copy bandwidth), and the relative error of our output against the
+anchor's. Prints a table last; writes JSON to --out.
+
+    source scripts/gpu_setup.sh && python3 scripts/bench_kernels.py --out $OUT/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hybridzoo.kernels as K  # noqa: E402
+from hybridzoo.utils import rel_err  # noqa: E402
+
+DEV = "cuda"
+
+
+def bench(fn, grads=None, inputs=()):
+    """(fwd ms, fwd+bwd ms) medians; fwd+bwd only when grads is given."""
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        fwd = do_bench(fn, warmup=25, rep=100)
+    if grads is None:
+        return fwd, None
+
+    def step():
+        out = fn()
+        torch.autograd.backward(out, grads)
+        for x in inputs:
+            x.grad = None
+
+    return fwd, do_bench(step, warmup=25, rep=100)
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50)
+    return 2 * x.numel() / (ms * 1e-3)  # bytes read + written per second
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def rand(*shape, dtype=torch.bfloat16, requires_grad=True, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype).requires_grad_(requires_grad)
+
+
+def case_linear_attn(B, T, H, D, per_key):
+    import fla.ops.common.chunk_o as chunk_o
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # fla 0.6 refuses its gated backward on Hopper + Triton < 3.7.1
+    q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)
+    shape = (B, T, H, D) if per_key else (B, T, H)
+    log_a = (-torch.rand(*shape, device=DEV) * 0.1).requires_grad_(True)
+    do = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16)
+    ours = lambda: K.chunk_linear_attn(q, k, v, log_a, backend="triton")[0]  # noqa: E731
+    anchor_fn = chunk_gla if per_key else chunk_simple_gla
+    anchor = lambda: anchor_fn(q, k, v, log_a)[0]  # noqa: E731
+    return ours, anchor, (do,), (q, k, v, log_a), nbytes(q, k, v, log_a) + nbytes(do)
+
+
+def case_delta_rule(B, T, H, D):
+    import fla.ops.common.chunk_o as chunk_o
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    q, v = rand(B, T, H, D), rand(B, T, H, D)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_(True)
+    log_a = (-torch.rand(B, T, H, device=DEV) * 0.1).requires_grad_(True)
+    beta = torch.rand(B, T, H, device=DEV).to(torch.bfloat16).requires_grad_(True)
+    do = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16)
+    ours = lambda: K.chunk_delta_rule(q, k, v, log_a, beta, backend="triton")[0]  # noqa: E731
+    anchor = lambda: chunk_gated_delta_rule(q, k, v, log_a, beta)[0]  # noqa: E731
+    return ours, anchor, (do,), (q, k, v, log_a, beta), nbytes(q, k, v, log_a, beta, do)
+
+
+def case_ssd(B, T, H, P, N, G, chunk):
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    x = rand(B, T, H, P)
+    dt = (torch.rand(B, T, H, device=DEV) * 0.1 + 0.01).requires_grad_(True)
+    A = (-torch.rand(H, device=DEV) - 0.5).requires_grad_(True)
+    Bm, Cm = rand(B, T, G, N), rand(B, T, G, N)
+    do = torch.randn(B, T, H, P, device=DEV, dtype=torch.bfloat16)
+
+    def ours():  # SSD as chunk_linear_attn: q = C, k = B, v = dt x, log_a = dt A
+        v = (x * dt[..., None]).to(x.dtype)
+        return K.chunk_linear_attn(Cm, Bm, v, dt * A, scale=1.0, chunk_size=chunk, backend="triton")[0]
+
+    anchor = lambda: mamba_chunk_scan_combined(x, dt, A, Bm, Cm, chunk_size=chunk)  # noqa: E731
+    return ours, anchor, (do,), (x, dt, A, Bm, Cm), nbytes(x, dt, Bm, Cm, do)
+
+
+def case_selective_scan(B, T, Dm, N):
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+
+    u, z = rand(B, T, Dm), rand(B, T, Dm)
+    delta = rand(B, T, Dm, scale=0.5)
+    A = (-torch.rand(Dm, N, device=DEV) - 0.5).requires_grad_(True)
+    Bm, Cm = rand(B, T, N), rand(B, T, N)
+    D = torch.randn(Dm, device=DEV).requires_grad_(True)
+    bias = (torch.randn(Dm, device=DEV) * 0.1).requires_grad_(True)
+    do = torch.randn(B, T, Dm, device=DEV, dtype=torch.bfloat16)
+    ours = lambda: K.selective_scan(u, delta, A, Bm, Cm, D, z, bias, True, backend="triton")[0]  # noqa: E731
+
+    def anchor():
+        t = lambda x: x.transpose(1, 2)  # noqa: E731  (mamba_ssm is channel-first [B, D, L])
+        return t(selective_scan_fn(t(u), t(delta), A, t(Bm), t(Cm), D=D, z=t(z), delta_bias=bias,
+                                   delta_softplus=True))
+
+    return ours, anchor, (do,), (u, delta, A, Bm, Cm, D, z, bias), nbytes(u, z, delta, Bm, Cm, do)
+
+
+CASES = [
+    ("chunk_linear_attn scalar vs fla chunk_simple_gla*", "B2 T16384 H16 D128", lambda: case_linear_attn(2, 16384, 16, 128, False)),
+    ("chunk_linear_attn scalar vs fla chunk_simple_gla*", "B8 T4096 H16 D128", lambda: case_linear_attn(8, 4096, 16, 128, False)),
+    ("chunk_linear_attn per-key vs fla chunk_gla", "B2 T16384 H16 D128", lambda: case_linear_attn(2, 16384, 16, 128, True)),
+    ("chunk_linear_attn per-key vs fla chunk_gla", "B8 T4096 H16 D128", lambda: case_linear_attn(8, 4096, 16, 128, True)),
+    ("chunk_delta_rule vs fla chunk_gated_delta_rule*", "B2 T16384 H16 D128", lambda: case_delta_rule(2, 16384, 16, 128)),
+    ("chunk_delta_rule vs fla chunk_gated_delta_rule*", "B8 T4096 H16 D128", lambda: case_delta_rule(8, 4096, 16, 128)),
+    ("SSD (chunk_linear_attn) vs mamba_chunk_scan_combined", "B2 T16384 H32 P64 N128 G1 c256", lambda: case_ssd(2, 16384, 32, 64, 128, 1, 256)),
+    ("selective_scan vs mamba_ssm selective_scan_fn", "B2 T16384 D2048 N16", lambda: case_selective_scan(2, 16384, 2048, 16)),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}-kernels-h200.json")
+    parser.add_argument("--only", default=None, help="substring of the case names to run")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    rows = []
+    for name, shape, build in CASES:
+        if args.only and args.only not in name:
+            continue
+        row = {"case": name, "shape": shape}
+        try:
+            ours, anchor, grads, inputs, floor_bytes = build()
+            row["fwd_floor_ms"] = floor_bytes / bandwidth * 1e3
+            with torch.no_grad():
+                row["rel_err_vs_anchor"] = rel_err(ours().float(), anchor().float())
+            for who, fn in (("ours", ours), ("anchor", anchor)):
+                try:
+                    row[f"{who}_fwd_ms"], row[f"{who}_fwdbwd_ms"] = bench(fn, grads, inputs)
+                except Exception as error:  # one side failing must not hide the other
+                    row[f"{who}_error"] = f"{type(error).__name__}: {error}"[:300]
+            for kind in ("fwd", "fwdbwd"):
+                if row.get(f"ours_{kind}_ms") and row.get(f"anchor_{kind}_ms"):
+                    row[f"ratio_{kind}"] = row[f"ours_{kind}_ms"] / row[f"anchor_{kind}_ms"]
+            if row.get("ours_fwd_ms"):
+                row["fwd_over_floor"] = row["ours_fwd_ms"] / row["fwd_floor_ms"]
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            traceback.print_exc()
+        rows.append(row)
+        torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    for module in ("triton", "fla", "mamba_ssm"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:
+            versions[module] = None
+    result = {
+        "date": str(datetime.date.today()), "commit": commit or "unknown", "device": torch.cuda.get_device_name(),
+        "versions": versions, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
+        "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
+                "(its guard bypassed; its gradients may be wrong on this Triton)",
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+    def fmt(x):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+    print(f"\n{'case':52s} {'shape':32s} {'ours fwd':>9s} {'anc fwd':>9s} {'ours f+b':>9s} {'anc f+b':>9s} {'ratio f+b':>9s} {'floor':>7s} {'err':>8s}")
+    for r in rows:
+        print(f"{r['case'][:52]:52s} {r['shape'][:32]:32s} {fmt(r.get('ours_fwd_ms')):>9s} {fmt(r.get('anchor_fwd_ms')):>9s} "
+              f"{fmt(r.get('ours_fwdbwd_ms')):>9s} {fmt(r.get('anchor_fwdbwd_ms')):>9s} {fmt(r.get('ratio_fwdbwd')):>9s} "
+              f"{fmt(r.get('fwd_floor_ms')):>7s} {r.get('rel_err_vs_anchor', float('nan')):8.1e}"
+              + (f"  [{(r.get('error') or r.get('ours_error') or r.get('anchor_error'))[:60]}]"
+                 if r.get('error') or r.get('ours_error') or r.get('anchor_error') else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
