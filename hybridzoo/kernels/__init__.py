@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridzoo.kernels._dispatch import BACKENDS, BackendUnavailable, resolve
+from hybridzoo.kernels._dispatch import BACKENDS, BackendUnavailable
+from hybridzoo.kernels._dispatch import resolve as _resolve
 from hybridzoo.kernels.reference import (
     causal_conv1d_step,
     delta_rule_step,
@@ -42,6 +43,18 @@ __all__ = [
     "selective_scan_step",
     "causal_conv1d_step",
 ]
+
+
+def resolve(op: str, backend: str, device: torch.device):
+    """The implementation of ``op``, run with autocast off: every kernel computes in the dtypes
+    it documents (float32 states, outputs in the input dtype) whatever the caller's autocast."""
+    impl = _resolve(op, backend, device)
+
+    def run(*args, **kwargs):
+        with torch.autocast(device.type, enabled=False):
+            return impl(*args, **kwargs)
+
+    return run
 
 
 def chunk_linear_attn(

@@ -10,6 +10,14 @@ from torch import nn
 from hybridzoo.layers.state import MixerState, StateError
 
 
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the mixer's projections produce from ``x``: the autocast dtype when autocast
+    is on for x's device, else ``x.dtype``. Conv tails and K/V stores are kept in it."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class Mixer(nn.Module):
     """A token mixer: ``y, state = mixer(x, state=None)`` with ``x, y: [B, T, d_model]``.
 
@@ -48,5 +56,5 @@ class Mixer(nn.Module):
         if state is not None:
             if not isinstance(state, MixerState):
                 raise StateError(f"{name}: state must be a MixerState or None, got {type(state).__name__}")
-            state.check(self.kind, x.shape[0], x.device, self.expected_state(x.shape[0], x.dtype))
+            state.check(self.kind, x.shape[0], x.device, self.expected_state(x.shape[0], activation_dtype(x)))
         return self.mix(x, state)
