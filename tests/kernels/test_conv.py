@@ -133,3 +133,12 @@ def test_bad_arguments():
         causal_conv1d(x, weight, bias, initial_state=state[:, :2])
     with pytest.raises(ValueError, match="x must be"):
         causal_conv1d_step(x, weight, bias)
+
+
+def test_empty_sequence_keeps_the_tail():
+    from hybridzoo.kernels.reference import causal_conv1d
+
+    tail = torch.randn(2, 3, 5, dtype=torch.float64)
+    y, final = causal_conv1d(torch.zeros(2, 0, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64),
+                             initial_state=tail, output_final_state=True)
+    assert y.shape == (2, 0, 5) and torch.equal(final, tail)

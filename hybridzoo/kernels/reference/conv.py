@@ -74,6 +74,8 @@ def causal_conv1d(
         initial_state = x.new_zeros(batch, width - 1, dm)
     padded = torch.cat([initial_state.to(x.dtype), x], dim=1)  # [B, W-1+T, Dm]
     # conv1d is a cross-correlation: out[t] = Σ_i weight[i] · padded[t + i] = Σ_i weight[i] · x[t-W+1+i]
+    if x.shape[1] == 0:  # nothing to convolve; the tail passes through unchanged
+        return x.new_zeros(batch, 0, dm), (initial_state.to(x.dtype) if output_final_state else None)
     y = F.conv1d(
         padded.to(compute).transpose(1, 2),
         weight.to(compute).unsqueeze(1),

@@ -1,0 +1,142 @@
+"""Triton causal_conv1d against the reference.
+
+CPU (``TRITON_INTERPRET=1``): tiny shapes, float32 kernels against the float64 step loop: output,
+final state, gradients for x, weight, bias, initial_state (also through final_state).
+GPU (``@pytest.mark.gpu``): real shapes, bf16 and fp32, against the float64 reference (cuDNN's
+float32 convolutions may use TF32), outputs poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridzoo.kernels import causal_conv1d as causal_conv1d_op
+from hybridzoo.kernels.reference import causal_conv1d as reference_conv
+from hybridzoo.kernels.reference import causal_conv1d_loop
+from hybridzoo.kernels.triton import conv as triton_module
+from hybridzoo.kernels.triton.conv import causal_conv1d
+from hybridzoo.utils import rel_err
+
+F64 = torch.float64
+
+
+def _inputs(batch=2, length=19, dm=11, width=4, seed=0, dtype=F64, device="cpu"):
+    torch.manual_seed(seed)
+    x = dict(
+        x=torch.randn(batch, length, dm),
+        weight=torch.randn(dm, width),
+        bias=torch.randn(dm),
+        initial_state=torch.randn(batch, width - 1, dm),
+    )
+    return {k: v.to(device=device, dtype=dtype) for k, v in x.items()}
+
+
+def _run(fn, x, activation):
+    return fn(x["x"], x["weight"], x["bias"], initial_state=x["initial_state"], output_final_state=True,
+              activation=activation)
+
+
+def _leaves(x, dtype=None):
+    return {k: (None if v is None else v.detach().to(dtype or v.dtype).requires_grad_()) for k, v in x.items()}
+
+
+def _check_against_loop(x, activation, tol=1e-5, weights=(1.0, 1.0)):
+    ref_in, tri_in = _leaves(x), _leaves(x, torch.float32)
+    y_ref, s_ref = _run(causal_conv1d_loop, ref_in, activation)
+    y, s = _run(causal_conv1d, tri_in, activation)
+    assert y.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_err(y, y_ref) <= tol
+    assert rel_err(s, s_ref) <= tol
+    torch.manual_seed(1)
+    gy, gs = torch.randn_like(y_ref) * weights[0], torch.randn_like(s_ref) * weights[1]
+    ((y_ref * gy).sum() + (s_ref * gs).sum()).backward()
+    ((y * gy.float()).sum() + (s * gs.float()).sum()).backward()
+    for name, leaf in tri_in.items():
+        if leaf is None or leaf.numel() == 0:  # no tail when W = 1
+            continue
+        ref = ref_in[name].grad
+        assert rel_err(leaf.grad, torch.zeros_like(ref_in[name]) if ref is None else ref) <= tol, name
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("length", [19, 2])  # 2 < W - 1 = 3: the final state mixes tail and x
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_matches_loop(width, length, activation):
+    _check_against_loop(_inputs(length=length, width=width, seed=length + width), activation)
+
+
+def test_without_bias_and_state():
+    x = _inputs(length=13, width=3, seed=3)
+    x.update(bias=None, initial_state=None)
+    _check_against_loop(x, "silu")
+
+
+def test_width_one_and_state_only_gradient():
+    """W = 1 (no tail); and a loss through the final state alone (zero output gradient)."""
+    _check_against_loop(_inputs(length=9, width=1, seed=4), "silu")
+    _check_against_loop(_inputs(length=9, width=4, seed=5), "silu", weights=(0.0, 1.0))
+
+
+def test_state_carrying():
+    x = _inputs(length=17, dtype=torch.float32, seed=6)
+    y, s = _run(causal_conv1d, x, "silu")
+    first = dict(x, x=x["x"][:, :6])
+    y1, s1 = _run(causal_conv1d, first, "silu")
+    y2, s2 = _run(causal_conv1d, dict(x, x=x["x"][:, 6:], initial_state=s1), "silu")
+    assert rel_err(torch.cat([y1, y2], dim=1), y) <= 1e-6
+    assert torch.equal(s2, s)
+
+
+def test_poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(
+        triton_module, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
+    _check_against_loop(_inputs(length=23, dm=13, seed=7), "silu")
+
+
+def test_dispatch_and_errors():
+    x = _inputs(length=7, dtype=torch.float32)
+    y, s = _run(lambda *a, **k: causal_conv1d_op(*a, **k, backend="triton"), x, "silu")
+    y_ref, s_ref = _run(reference_conv, x, "silu")
+    assert rel_err(y, y_ref) <= 1e-5 and torch.equal(s, s_ref)
+    with pytest.raises(ValueError, match="backend='reference'"):
+        _run(causal_conv1d, _inputs(length=4), None)  # float64
+    with pytest.raises(ValueError, match="weight must be"):
+        causal_conv1d(x["x"], x["weight"][:3])
+    empty = _inputs(length=0, dtype=torch.float32)
+    y0, s0 = _run(causal_conv1d, empty, None)
+    assert y0.shape == (2, 0, 11) and torch.equal(s0, empty["initial_state"])
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dm,width", [(2048, 4), (256, 2)])
+def test_gpu_real_shapes(monkeypatch, dtype, tol, dm, width):
+    monkeypatch.setattr(
+        triton_module, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
+    x = _inputs(batch=2, length=16384, dm=dm, width=width, seed=8, dtype=dtype, device="cuda")
+    tri_in, ref_in = _leaves(x), _leaves(x, F64)
+    y, s = _run(causal_conv1d, tri_in, "silu")
+    y_ref, s_ref = _run(reference_conv, ref_in, "silu")
+    assert y.dtype == dtype and not y.isnan().any()
+    assert rel_err(y, y_ref) <= tol and torch.equal(s.to(F64), s_ref)
+    torch.manual_seed(9)
+    gy, gs = torch.randn_like(y_ref), torch.randn_like(s_ref)
+    ((y.to(F64) * gy).sum() + (s.to(F64) * gs).sum()).backward()
+    ((y_ref * gy).sum() + (s_ref * gs).sum()).backward()
+    for name, leaf in tri_in.items():
+        assert leaf.grad.dtype == leaf.dtype and not leaf.grad.isnan().any(), name
+        assert rel_err(leaf.grad, ref_in[name].grad) <= tol, name
+
+
+@pytest.mark.gpu
+def test_gpu_auto_dispatch_picks_triton():
+    x = _inputs(length=64, dm=64, dtype=torch.float32, device="cuda")
+    y, s = _run(lambda *a, **k: causal_conv1d_op(*a, **k, backend="auto"), x, None)
+    y_t, s_t = _run(causal_conv1d, x, None)
+    assert torch.equal(y, y_t) and torch.equal(s, s_t)
