@@ -1,0 +1,386 @@
+"""Triton chunkwise (gated) linear attention: forward kernels, the autograd Function and the op.
+
+Same math and signature as :func:`hybridzoo.kernels.reference.linear_attn.chunk_linear_attn`
+(the spec): ``S_t = diag(a_t) S_{t-1} + k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``, with no decay,
+one decay per head (``log_a [B, T, H]``) or one per key (``log_a [B, T, H, K]``).
+
+Algorithm (fla-style, written here), per (batch, value head), chunks of ``C`` tokens:
+
+1. ``b`` = cumulative sums of ``log_a`` inside each chunk (fp32, never across chunks);
+   ``b_t`` includes token t's own decay, ``g = b_last`` is the chunk's total decay.
+2. :func:`_fwd_h_kernel`, sequential over chunks per (K-block, V-block, batch·head):
+   ``h_j`` = state entering chunk j (stored, fp32), ``S ← exp(g) ⊙ S + (k ⊙ exp(g − b))ᵀ v``.
+3. per-key decays only, :func:`_intra_A_kernel`: the chunk's decayed scores
+   ``A[t, s] = Σ_k q_tk k_sk exp(b_tk − b_sk)`` (s ≤ t), from 16-token sub-chunks: off the
+   diagonal as ``(q ⊙ exp(b − b_ref)) (k ⊙ exp(b_ref − b))ᵀ`` with the reference point ``b_ref``
+   between the two sub-chunks (both exponents ≤ 0: no overflow whatever the decay), on the
+   diagonal row by row.
+4. :func:`_fwd_o_kernel`, one program per (V-block, chunk, batch·head):
+   ``o = scale · ((q ⊙ exp(b)) h_j + A v)``; for no / scalar decay ``A = (q kᵀ) ⊙ exp(b_t − b_s)``
+   is built in place.
+
+Numerics: every exponent is mathematically ≤ 0 and is clamped at 0 before ``exp`` (so padded
+rows can never overflow); ``log_a`` is clamped below at ``LOG_A_MIN = -110`` (``exp`` of which
+is 0 in float32), so a reset (``-inf``) gives exactly 0 and never NaN; the gradient w.r.t. a
+clamped ``log_a`` is 0. Dots run on the input dtype (bf16/fp16 tensor cores) with fp32
+accumulation; fp32 inputs use ``input_precision="ieee"`` (no tf32). States are fp32.
+
+Backward (``linear_attn_bwd.py``) recomputes ``b`` and the chunk-boundary states (one state per
+chunk, none per token) and gets ``dlog_a`` from the closed form of
+:func:`hybridzoo.kernels.reference.linear_attn.gla_decay_grad`.
+
+Chunk sizes 16, 32 and 64 run natively; any other ``chunk_size >= 1`` runs with 64 (the chunk
+size is a tiling choice: the result does not depend on it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.reference.linear_attn import _check
+
+__all__ = ["chunk_linear_attn", "SUPPORTED_CHUNK_SIZES"]
+
+SUPPORTED_CHUNK_SIZES = (16, 32, 64)
+LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
+SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block(dim: int) -> int:
+    """Tile width along a head dimension: a power of 2 in [16, 64] (wider heads loop over tiles)."""
+    return min(max(16, triton.next_power_of_2(dim)), 64)
+
+
+POISON_OUTPUTS = False  # tests set this: every buffer starts as NaN, so an unwritten element shows
+
+
+def _new(*shape, dtype, device) -> torch.Tensor:
+    """An output / scratch buffer: uninitialised, or NaN-filled when POISON_OUTPUTS is set."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _loop_count(n: int) -> int:
+    """A sequential loop's trip count as a constexpr under the interpreter (which cannot loop
+    over a runtime int with numpy 2), 0 (= use the runtime argument) when compiled."""
+    return n if _interpret() else 0
+
+
+@triton.jit
+def _exp_le0(x):
+    """exp of an exponent that is mathematically <= 0 (clamped: padded rows never overflow)."""
+    return tl.exp(tl.minimum(x, 0.0))
+
+
+@triton.jit
+def _chunk_cumsum_kernel(log_a, b, T, H: tl.constexpr, KD: tl.constexpr, C: tl.constexpr,
+                         BKD: tl.constexpr, LOG_MIN: tl.constexpr):
+    """b = in-chunk cumulative sums of max(log_a, LOG_MIN); log_a, b: [B, T, H, KD]."""
+    i_c, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t = i_c * C + tl.arange(0, C)
+    kk = i_k * BKD + tl.arange(0, BKD)
+    mask = (t < T)[:, None] & (kk < KD)[None, :]
+    offs = ((i_b * T + t[:, None]).to(tl.int64) * H + i_h) * KD + kk[None, :]
+    x = tl.load(log_a + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.maximum(x, LOG_MIN)
+    tl.store(b + offs, tl.cumsum(x, axis=0), mask=mask)
+
+
+@triton.jit
+def _fwd_h_kernel(k, v, b, h, h0, hT, T, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  DECAY: tl.constexpr, HAS_H0: tl.constexpr, STORE_H: tl.constexpr,
+                  STORE_HT: tl.constexpr, PREC: tl.constexpr, NT_LOOP: tl.constexpr):
+    """Chunk-boundary states: h[b, h, j] = state entering chunk j (fp32 [B, H, NT, K, V])."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    kk = i_k * BK + tl.arange(0, BK)
+    vv = i_v * BV + tl.arange(0, BV)
+    m_kv = (kk < K)[:, None] & (vv < V)[None, :]
+    kv = kk[:, None] * V + vv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
+    for j in range(NT_LOOP if NT_LOOP > 0 else NT):
+        if STORE_H:
+            tl.store(h + (i_bh.to(tl.int64) * NT + j) * K * V + kv, S, mask=m_kv)
+        t = j * C + tl.arange(0, C)
+        rows = (i_b * T + t).to(tl.int64)
+        m_t = t < T
+        k_t = tl.load(k + (rows[:, None] * HK + i_hk) * K + kk[None, :],
+                      mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
+        v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :],
+                      mask=m_t[:, None] & (vv < V)[None, :], other=0.0)
+        last = (i_b * T + tl.minimum(j * C + C, T) - 1).to(tl.int64)
+        if DECAY == 2:
+            b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :],
+                          mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
+            g = tl.load(b + (last * H + i_h) * K + kk, mask=kk < K, other=0.0)
+            k_t = (k_t * _exp_le0(g[None, :] - b_t)).to(v_t.dtype)
+            S = S * tl.exp(g)[:, None]
+        elif DECAY == 1:
+            b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+            g = tl.load(b + last * H + i_h)
+            k_t = (k_t * _exp_le0(g - b_t)[:, None]).to(v_t.dtype)
+            S = S * tl.exp(g)
+        S += tl.dot(tl.trans(k_t), v_t, input_precision=PREC)
+    if STORE_HT:
+        tl.store(hT + i_bh.to(tl.int64) * K * V + kv, S, mask=m_kv)
+
+
+@triton.jit
+def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Per-key decayed scores A[b, h, t, s] (fp32 [B, H, T, C]), s <= t inside t's chunk.
+
+    Blocks above the diagonal are never written (readers mask them).
+    """
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    NC: tl.constexpr = C // BC
+    c0 = i_c * C
+    r = tl.arange(0, BC)
+    for i in tl.static_range(NC):
+        t = c0 + i * BC + r
+        m_t = t < T
+        rows_t = (i_b * T + t).to(tl.int64)
+        ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)  # last token before block i
+        a_ptr = A + (i_bh.to(tl.int64) * T + t[:, None]) * C + r[None, :]
+        for j in tl.static_range(i):
+            s = c0 + j * BC + r
+            m_s = (s < T)[:, None]
+            rows_s = (i_b * T + s).to(tl.int64)
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in tl.static_range((K + BK - 1) // BK):
+                kk = i_k * BK + tl.arange(0, BK)
+                m_k = (kk < K)[None, :]
+                q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+                b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+                k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
+                q_g = (q_i * _exp_le0(b_i - b_r[None, :])).to(q_i.dtype)
+                k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
+                acc += tl.dot(q_g, tl.trans(k_g), input_precision=PREC)
+            tl.store(a_ptr + j * BC, acc, mask=m_t[:, None])
+        # the diagonal block, one row (query) at a time
+        acc = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in tl.static_range((K + BK - 1) // BK):
+            kk = i_k * BK + tl.arange(0, BK)
+            m_k = (kk < K)[None, :]
+            k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            for row in range(BC):
+                tq = (i_b * T + c0 + i * BC + row).to(tl.int64)
+                ok = c0 + i * BC + row < T
+                q_q = tl.load(q + (tq * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0).to(tl.float32)
+                b_q = tl.load(b + (tq * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+                prod = q_q[None, :] * k_i.to(tl.float32) * _exp_le0(b_q[None, :] - b_i)
+                score = tl.sum(tl.where((r <= row)[:, None], prod, 0.0), axis=1)  # over s: [BC]
+                acc += tl.where(r[:, None] == row, score[None, :], 0.0)
+        tl.store(a_ptr + i * BC, acc, mask=m_t[:, None])
+
+
+@triton.jit
+def _fwd_o_kernel(q, k, v, b, h, A, o, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
+    """o = scale · ((q ⊙ exp(b)) h_j + (decayed causal scores) v), one chunk and V-block."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    c = tl.arange(0, C)
+    t = i_c * C + c
+    m_t = t < T
+    rows = (i_b * T + t).to(tl.int64)
+    vv = i_v * BV + tl.arange(0, BV)
+    m_v = (vv < V)[None, :]
+    v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+    acc = tl.zeros([C, BV], dtype=tl.float32)
+    scores = tl.zeros([C, C], dtype=tl.float32)
+    causal = c[:, None] >= c[None, :]
+    for i_k in tl.static_range((K + BK - 1) // BK):
+        kk = i_k * BK + tl.arange(0, BK)
+        m_k = (kk < K)[None, :]
+        q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+        h_t = tl.load(h + (i_bh.to(tl.int64) * NT + i_c) * K * V + kk[:, None] * V + vv[None, :],
+                      mask=(kk < K)[:, None] & m_v, other=0.0)
+        if DECAY == 2:
+            b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            acc += tl.dot((q_t * _exp_le0(b_t)).to(v_t.dtype), h_t.to(v_t.dtype), input_precision=PREC)
+        else:
+            acc += tl.dot(q_t, h_t.to(v_t.dtype), input_precision=PREC)
+            k_t = tl.load(k + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            scores += tl.dot(q_t, tl.trans(k_t), input_precision=PREC)
+    if DECAY == 2:
+        scores = tl.load(A + (i_bh.to(tl.int64) * T + t[:, None]) * C + c[None, :],
+                         mask=m_t[:, None] & causal, other=0.0)
+    elif DECAY == 1:
+        b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+        acc = acc * _exp_le0(b_t)[:, None]
+        scores = tl.where(causal, scores * _exp_le0(b_t[:, None] - b_t[None, :]), 0.0)
+    else:
+        scores = tl.where(causal, scores, 0.0)
+    acc += tl.dot(scores.to(v_t.dtype), v_t, input_precision=PREC)
+    tl.store(o + (rows[:, None] * H + i_h) * V + vv[None, :], (acc * scale).to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v)
+
+
+# ----------------------------------------------------------------------------------- launchers
+
+def _prec(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact fp32 dots (tf32 would miss the 1e-4 bar); 16-bit inputs: tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decay_kind(log_a: torch.Tensor | None) -> int:
+    return 0 if log_a is None else (2 if log_a.dim() == 4 else 1)
+
+
+def chunk_cumsum(log_a: torch.Tensor, C: int) -> torch.Tensor:
+    """In-chunk cumulative sums of ``max(log_a, LOG_A_MIN)``, fp32, same shape as ``log_a``."""
+    B, T, H = log_a.shape[:3]
+    KD = log_a.shape[3] if log_a.dim() == 4 else 1
+    b = _new(*log_a.shape, dtype=torch.float32, device=log_a.device)
+    BKD = min(64, triton.next_power_of_2(KD))
+    grid = (triton.cdiv(T, C), B * H, triton.cdiv(KD, BKD))
+    _chunk_cumsum_kernel[grid](log_a, b, T, H=H, KD=KD, C=C, BKD=BKD, LOG_MIN=LOG_A_MIN)
+    return b
+
+
+def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False):
+    """States entering each chunk ``h [B, H, NT, K, V]`` (if store_h) and the final state (fp32)."""
+    B, T, HK, K = k.shape
+    H, V = v.shape[2:]
+    NT = triton.cdiv(T, C)
+    BK, BV = _block(K), _block(V)
+    f32 = dict(dtype=torch.float32, device=v.device)
+    h = _new(B, H, NT, K, V, **f32) if store_h else None
+    hT = _new(B, H, K, V, **f32) if store_final else None
+    dummy = torch.empty(1, **f32)
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+    _fwd_h_kernel[grid](
+        k, v, b if b is not None else dummy, h if store_h else dummy,
+        initial_state if initial_state is not None else dummy, hT if store_final else dummy,
+        T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
+        HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final, PREC=_prec(v.dtype),
+        NT_LOOP=_loop_count(NT))
+    return h, hT
+
+
+def intra_A(q, k, b, H, C):
+    """Per-key decayed causal scores inside each chunk, fp32 ``[B, H, T, C]`` (upper blocks unset)."""
+    B, T, HK, K = q.shape
+    A = _new(B, H, T, C, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(T, C), B * H)
+    _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=_block(K),
+                          PREC=_prec(q.dtype))
+    return A
+
+
+def fwd_o(q, k, v, b, h, A, scale, decay, C):
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
+    NT = triton.cdiv(T, C)
+    BK, BV = _block(K), _block(V)
+    o = _new(*v.shape, dtype=v.dtype, device=v.device)
+    dummy = torch.empty(1, dtype=torch.float32, device=v.device)
+    grid = (triton.cdiv(V, BV), NT, B * H)
+    _fwd_o_kernel[grid](q, k, v, b if b is not None else dummy, h, A if A is not None else dummy, o,
+                        float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
+                        PREC=_prec(v.dtype))
+    return o
+
+
+class _ChunkLinearAttnFunction(torch.autograd.Function):
+    """forward: cumsum → states per chunk → (per-key scores) → output; backward in linear_attn_bwd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_a, initial_state, scale, C, output_final_state):
+        decay = _decay_kind(log_a)
+        b = chunk_cumsum(log_a, C) if decay else None
+        h, hT = fwd_h(k, v, b, decay, initial_state, C, store_h=True, store_final=output_final_state)
+        A = intra_A(q, k, b, v.shape[2], C) if decay == 2 else None
+        o = fwd_o(q, k, v, b, h, A, scale, decay, C)
+        ctx.save_for_backward(q, k, v, log_a, initial_state)
+        ctx.scale, ctx.C, ctx.decay = scale, C, decay
+        ctx.set_materialize_grads(False)
+        return o, hT
+
+    @staticmethod
+    def backward(ctx, do, dhT):
+        from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
+
+        q, k, v, log_a, initial_state = ctx.saved_tensors
+        dq, dk, dv, dlog_a, dh0 = chunk_linear_attn_bwd(
+            q, k, v, log_a, initial_state, do, dhT, ctx.scale, ctx.C, ctx.decay,
+            need_dlog_a=ctx.needs_input_grad[3], need_dh0=ctx.needs_input_grad[4])
+        return dq, dk, dv, dlog_a, dh0, None, None, None
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def chunk_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_a: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise (gated) linear attention in Triton: ``S_t = diag(a_t) S_{t-1} + k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
+
+    Arguments and returns exactly as :func:`hybridzoo.kernels.reference.chunk_linear_attn`:
+    q, k ``[B, T, Hk, K]``; v ``[B, T, H, V]`` (``H % Hk == 0``); log_a None, ``[B, T, H]`` or
+    ``[B, T, H, K]`` (``<= 0``, ``-inf`` resets); initial_state ``[B, H, K, V]``. Returns
+    ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``. Differentiable
+    w.r.t. q, k, v, log_a and initial_state, and through final_state.
+
+    Inputs must be float16, bfloat16 or float32 (q and k are cast to v's dtype) on a CUDA
+    device, or on the CPU under ``TRITON_INTERPRET=1``. ``chunk_size`` 16, 32 or 64 is used as
+    given; any other int >= 1 runs with 64 (the result does not depend on the chunk size).
+    """
+    _check(q, k, v, log_a, initial_state, time=True)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    C = chunk_size if chunk_size in SUPPORTED_CHUNK_SIZES else 64
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"triton chunk_linear_attn takes float16/bfloat16/float32 {name}, got "
+                             f"{x.dtype}; use backend='reference' for float64")
+    if v.device.type != "cuda" and not _interpret():
+        raise ValueError("triton chunk_linear_attn needs CUDA tensors (or TRITON_INTERPRET=1 on the "
+                         f"CPU), got device {v.device}; use backend='reference'")
+    B, T, H, V = v.shape
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32).contiguous()
+    if T == 0:
+        final = None
+        if output_final_state:
+            final = initial_state if initial_state is not None else \
+                v.new_zeros(B, H, K, V, dtype=torch.float32)
+        return v.new_zeros(B, 0, H, V), final
+    q = q.to(v.dtype).contiguous()
+    k = k.to(v.dtype).contiguous()
+    if log_a is not None:
+        log_a = log_a.to(torch.float32).contiguous()
+    return _ChunkLinearAttnFunction.apply(q, k, v.contiguous(), log_a, initial_state, scale, C,
+                                          bool(output_final_state))

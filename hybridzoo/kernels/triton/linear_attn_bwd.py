@@ -1,0 +1,370 @@
+"""Triton chunkwise (gated) linear attention: backward kernels (forward in ``linear_attn.py``).
+
+Per chunk j with incoming state ``h_j``, the gradient ``dh_j`` of the state LEAVING the chunk,
+``q̃ = q ⊙ exp(b)`` (reads of h_j), ``k̂ = k ⊙ exp(g − b)`` (writes surviving to the chunk end),
+scores ``A`` and ``dA = scale · dO vᵀ`` (causal):
+
+* :func:`_bwd_dh_kernel`, reverse over chunks: ``dS ← exp(g) ⊙ dS + scale · q̃ᵀ dO``, starting
+  from the gradient of the final state; what is left at the start is ``d initial_state``;
+* :func:`_bwd_dv_kernel`: ``dv = scale · Aᵀ dO + k̂ dh_j``;
+* :func:`_bwd_dqk_kernel`: ``dq = scale · (dO h_jᵀ) ⊙ exp(b) + intra``,
+  ``dk = (v dh_jᵀ) ⊙ exp(g − b) + intra``, with the intra-chunk part built in place for no /
+  scalar decay, and for per-key decay added from :func:`_bwd_intra_dqk_kernel` (16-token
+  sub-chunks with a reference point between them, as in the forward's ``_intra_A_kernel``);
+* the decay gradient, in :func:`_bwd_dqk_kernel` too: the closed form of
+  :func:`hybridzoo.kernels.reference.linear_attn.gla_decay_grad` (``dlog_a_u`` = the paths
+  from a write ``s < u`` to a read ``t >= u``) split at chunk boundaries, per key::
+
+      dlog_a_u = Σ_{t >= u} (q ⊙ dq − k ⊙ dk_intra)_t    intra-chunk paths, and reads of h_j
+               + Σ_{s < u} (k ⊙ dk_inter)_s               writes that leave the chunk
+               + exp(g) ⊙ Σ_v h_j ⊙ dh_j                  paths crossing the whole chunk
+
+  (sums over u's chunk only), summed over keys for a scalar decay, 0 where ``log_a`` was
+  clamped. The same value as the reference's reverse cumsum over the whole sequence plus the
+  final-state term, but every path that does not pass through u cancels between terms
+  rounded the same way: nothing accumulates over T, and 16-bit rounding of the chunk states
+  (used by the dots) never meets its fp32 counterpart.
+
+dq and dk are computed per value head in fp32 and summed over each group of value heads that
+share a q/k head at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.triton.linear_attn import (
+    LOG_A_MIN,
+    SUB_CHUNK,
+    _block,
+    _exp_le0,
+    _loop_count,
+    _new,
+    _prec,
+    chunk_cumsum,
+    fwd_h,
+    intra_A,
+)
+
+
+@triton.jit
+def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, DECAY: tl.constexpr, HAS_DHT: tl.constexpr,
+                   STORE_DH0: tl.constexpr, PREC: tl.constexpr, NT_LOOP: tl.constexpr):
+    """dh[b, h, j] = gradient of the state leaving chunk j (fp32 [B, H, NT, K, V])."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    kk = i_k * BK + tl.arange(0, BK)
+    vv = i_v * BV + tl.arange(0, BV)
+    m_kv = (kk < K)[:, None] & (vv < V)[None, :]
+    kv = kk[:, None] * V + vv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dhT + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
+    for jj in range(NT_LOOP if NT_LOOP > 0 else NT):
+        j = NT - 1 - jj
+        tl.store(dh + (i_bh.to(tl.int64) * NT + j) * K * V + kv, dS, mask=m_kv)
+        t = j * C + tl.arange(0, C)
+        rows = (i_b * T + t).to(tl.int64)
+        m_t = t < T
+        q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :],
+                      mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
+        do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :],
+                       mask=m_t[:, None] & (vv < V)[None, :], other=0.0)
+        last = (i_b * T + tl.minimum(j * C + C, T) - 1).to(tl.int64)
+        if DECAY == 2:
+            b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :],
+                          mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
+            g = tl.load(b + (last * H + i_h) * K + kk, mask=kk < K, other=0.0)
+            q_t = (q_t * _exp_le0(b_t)).to(do_t.dtype)
+            dS = dS * tl.exp(g)[:, None]
+        elif DECAY == 1:
+            b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+            g = tl.load(b + last * H + i_h)
+            q_t = (q_t * _exp_le0(b_t)[:, None]).to(do_t.dtype)
+            dS = dS * tl.exp(g)
+        dS += scale * tl.dot(tl.trans(q_t), do_t, input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + kv, dS, mask=m_kv)
+
+
+@triton.jit
+def _bwd_dA_kernel(v, do, dA, scale, T, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   BV: tl.constexpr, PREC: tl.constexpr):
+    """dA[b, h, t, s] = scale · dO_t · v_s for s <= t in t's chunk, else 0 (fp32 [B, H, T, C])."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    c = tl.arange(0, C)
+    t = i_c * C + c
+    m_t = t < T
+    rows = (i_b * T + t).to(tl.int64)
+    acc = tl.zeros([C, C], dtype=tl.float32)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        vv = i_v * BV + tl.arange(0, BV)
+        m = m_t[:, None] & (vv < V)[None, :]
+        do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m, other=0.0)
+        v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m, other=0.0)
+        acc += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)
+    acc = tl.where(c[:, None] >= c[None, :], acc * scale, 0.0)
+    tl.store(dA + (i_bh.to(tl.int64) * T + t[:, None]) * C + c[None, :], acc, mask=m_t[:, None])
+
+
+@triton.jit
+def _bwd_dv_kernel(q, k, b, A, do, dh, dv, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
+    """dv = scale · Aᵀ dO + k̂ dh_j, one chunk and V-block."""
+    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    c = tl.arange(0, C)
+    t = i_c * C + c
+    m_t = t < T
+    rows = (i_b * T + t).to(tl.int64)
+    vv = i_v * BV + tl.arange(0, BV)
+    m_v = (vv < V)[None, :]
+    do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+    last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
+    acc = tl.zeros([C, BV], dtype=tl.float32)
+    scores_t = tl.zeros([C, C], dtype=tl.float32)  # [s, t] = k_s · q_t
+    causal_t = c[:, None] <= c[None, :]             # s <= t
+    for i_k in tl.static_range((K + BK - 1) // BK):
+        kk = i_k * BK + tl.arange(0, BK)
+        m_k = (kk < K)[None, :]
+        k_t = tl.load(k + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+        dh_t = tl.load(dh + (i_bh.to(tl.int64) * NT + i_c) * K * V + kk[:, None] * V + vv[None, :],
+                       mask=(kk < K)[:, None] & m_v, other=0.0).to(do_t.dtype)
+        if DECAY == 2:
+            b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            g = tl.load(b + (last * H + i_h) * K + kk, mask=kk < K, other=0.0)
+            acc += tl.dot((k_t * _exp_le0(g[None, :] - b_t)).to(do_t.dtype), dh_t, input_precision=PREC)
+        else:
+            if DECAY == 1:
+                b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+                g = tl.load(b + last * H + i_h)
+                acc += tl.dot((k_t * _exp_le0(g - b_t)[:, None]).to(do_t.dtype), dh_t, input_precision=PREC)
+            else:
+                acc += tl.dot(k_t, dh_t, input_precision=PREC)
+            q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            scores_t += tl.dot(k_t, tl.trans(q_t), input_precision=PREC)
+    if DECAY == 2:  # A[t, s] read transposed
+        scores_t = tl.load(A + (i_bh.to(tl.int64) * T + t[None, :]) * C + c[:, None],
+                           mask=m_t[None, :] & causal_t, other=0.0)
+    elif DECAY == 1:
+        b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+        scores_t = tl.where(causal_t, scores_t * _exp_le0(b_t[None, :] - b_t[:, None]), 0.0)
+    else:
+        scores_t = tl.where(causal_t, scores_t, 0.0)
+    acc += scale * tl.dot(scores_t.to(do_t.dtype), do_t, input_precision=PREC)
+    tl.store(dv + (rows[:, None] * H + i_h) * V + vv[None, :], acc.to(dv.dtype.element_ty),
+             mask=m_t[:, None] & m_v)
+
+
+@triton.jit
+def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.constexpr,
+                          K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                          PREC: tl.constexpr):
+    """Per-key decay: the intra-chunk parts of dq and dk (per value head, fp32 [B, T, H, K]).
+
+    dq_t = Σ_{s<=t} dA[t, s] k_s ⊙ exp(b_t − b_s), dk_s = Σ_{t>=s} dA[t, s] q_t ⊙ exp(b_t − b_s).
+    """
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    NC: tl.constexpr = C // BC
+    c0 = i_c * C
+    r = tl.arange(0, BC)
+    kk = i_k * BK + tl.arange(0, BK)
+    m_k = (kk < K)[None, :]
+    dA_base = dA + i_bh.to(tl.int64) * T * C
+    for i in tl.static_range(NC):  # dq of sub-chunk i
+        t = c0 + i * BC + r
+        m_t = t < T
+        rows_t = (i_b * T + t).to(tl.int64)
+        b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+        acc = tl.zeros([BC, BK], dtype=tl.float32)
+        if i > 0:
+            ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)
+            b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
+            for j in tl.static_range(i):
+                m_s = (c0 + j * BC + r < T)[:, None]
+                rows_s = (i_b * T + c0 + j * BC + r).to(tl.int64)
+                k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                dA_ij = tl.load(dA_base + t[:, None] * C + j * BC + r[None, :], mask=m_t[:, None], other=0.0)
+                k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
+                acc += tl.dot(dA_ij.to(k_j.dtype), k_g, input_precision=PREC)
+            acc = acc * _exp_le0(b_i - b_r[None, :])
+        for col in range(BC):  # the diagonal block, one key (column) at a time
+            s_col = c0 + i * BC + col
+            ok = s_col < T
+            k_s = tl.load(k + ((i_b * T + s_col).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_s = tl.load(b + ((i_b * T + s_col).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            dA_col = tl.load(dA_base + t * C + i * BC + col, mask=m_t, other=0.0)
+            term = dA_col[:, None] * k_s.to(tl.float32)[None, :] * _exp_le0(b_i - b_s[None, :])
+            acc += tl.where((r >= col)[:, None], term, 0.0)
+        tl.store(dq + (rows_t[:, None] * H + i_h) * K + kk[None, :], acc, mask=m_t[:, None] & m_k)
+    for j in tl.static_range(NC):  # dk of sub-chunk j
+        s = c0 + j * BC + r
+        m_s = s < T
+        rows_s = (i_b * T + s).to(tl.int64)
+        b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s[:, None] & m_k, other=0.0)
+        acc = tl.zeros([BC, BK], dtype=tl.float32)
+        for i in tl.static_range(j + 1, NC):
+            t = c0 + i * BC + r
+            m_t = t < T
+            rows_t = (i_b * T + t).to(tl.int64)
+            ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)
+            b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
+            q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            dA_ij = tl.load(dA_base + t[:, None] * C + j * BC + r[None, :], mask=m_t[:, None], other=0.0)
+            q_g = (q_i * _exp_le0(b_i - b_r[None, :])).to(q_i.dtype)
+            part = tl.dot(tl.trans(dA_ij.to(q_i.dtype)), q_g, input_precision=PREC)
+            acc += part * _exp_le0(b_r[None, :] - b_j)
+        for row in range(BC):  # the diagonal block, one query (row) at a time
+            t_row = c0 + j * BC + row
+            ok = t_row < T
+            q_r = tl.load(q + ((i_b * T + t_row).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_q = tl.load(b + ((i_b * T + t_row).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            dA_row = tl.load(dA_base + t_row * C + j * BC + r, mask=ok, other=0.0)
+            term = dA_row[:, None] * q_r.to(tl.float32)[None, :] * _exp_le0(b_q[None, :] - b_j)
+            acc += tl.where((r <= row)[:, None], term, 0.0)
+        tl.store(dk + (rows_s[:, None] * H + i_h) * K + kk[None, :], acc, mask=m_s[:, None] & m_k)
+
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, scale, T, NT, H: tl.constexpr,
+                    HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, STORE_DG: tl.constexpr,
+                    PREC: tl.constexpr):
+    """dq, dk per value head (fp32 [B, T, H, K]); per-key decay adds to the intra parts there.
+
+    With STORE_DG, also the decay gradient per key, dg (fp32 [B, T, H, K]), in the chunk-local
+    closed form (module docstring).
+    """
+    i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // (H // HK)
+    c = tl.arange(0, C)
+    t = i_c * C + c
+    m_t = t < T
+    rows = (i_b * T + t).to(tl.int64)
+    kk = i_k * BK + tl.arange(0, BK)
+    m_k = (kk < K)[None, :]
+    m_tk = m_t[:, None] & m_k
+    q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_tk, other=0.0)
+    k_t = tl.load(k + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_tk, other=0.0)
+    dq_acc = tl.zeros([C, BK], dtype=tl.float32)
+    dk_acc = tl.zeros([C, BK], dtype=tl.float32)
+    dA = tl.zeros([C, C], dtype=tl.float32)
+    h_dh = tl.zeros([BK], dtype=tl.float32)  # Σ_v h_j ⊙ dh_j, in fp32
+    state = (i_bh.to(tl.int64) * NT + i_c) * K * V + kk[:, None] * V
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        vv = i_v * BV + tl.arange(0, BV)
+        m_v = (vv < V)[None, :]
+        do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+        v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+        m_kv = (kk < K)[:, None] & m_v
+        h_t = tl.load(h + state + vv[None, :], mask=m_kv, other=0.0)
+        dh_t = tl.load(dh + state + vv[None, :], mask=m_kv, other=0.0)
+        if STORE_DG:
+            h_dh += tl.sum(h_t * dh_t, axis=1)
+        dq_acc += tl.dot(do_t, tl.trans(h_t.to(do_t.dtype)), input_precision=PREC)
+        dk_acc += tl.dot(v_t, tl.trans(dh_t.to(do_t.dtype)), input_precision=PREC)
+        if DECAY != 2:
+            dA += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)
+    out = (rows[:, None] * H + i_h) * K + kk[None, :]
+    last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
+    causal = c[:, None] >= c[None, :]
+    if DECAY == 2:
+        b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :], mask=m_tk, other=0.0)
+        g = tl.load(b + (last * H + i_h) * K + kk, mask=kk < K, other=0.0)
+        dq_acc = scale * dq_acc * _exp_le0(b_t) + tl.load(dq + out, mask=m_tk, other=0.0)
+        dk_inter = dk_acc * _exp_le0(g[None, :] - b_t)
+        dk_intra = tl.load(dk + out, mask=m_tk, other=0.0)
+        through = tl.exp(g) * h_dh  # paths from before the chunk, through all of it, to after
+    else:
+        if DECAY == 1:
+            b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
+            g = tl.load(b + last * H + i_h)
+            dq_acc = scale * dq_acc * _exp_le0(b_t)[:, None]
+            dk_inter = dk_acc * _exp_le0(g - b_t)[:, None]
+            dA = tl.where(causal, scale * dA * _exp_le0(b_t[:, None] - b_t[None, :]), 0.0)
+            through = tl.exp(g) * h_dh
+        else:
+            dq_acc = scale * dq_acc
+            dk_inter = dk_acc
+            dA = tl.where(causal, scale * dA, 0.0)
+            through = h_dh
+        dA = dA.to(q_t.dtype)
+        dq_acc += tl.dot(dA, k_t, input_precision=PREC)
+        dk_intra = tl.dot(tl.trans(dA), q_t, input_precision=PREC)
+    tl.store(dq + out, dq_acc, mask=m_tk)
+    tl.store(dk + out, dk_inter + dk_intra, mask=m_tk)
+    if STORE_DG:
+        # dg_u = Σ_{t >= u} (q ⊙ dq − k ⊙ dk_intra)_t + Σ_{s < u} (k ⊙ dk_inter)_s + through
+        q_f, k_f = q_t.to(tl.float32), k_t.to(tl.float32)
+        reads = q_f * dq_acc - k_f * dk_intra
+        writes_out = k_f * dk_inter
+        dg_t = tl.cumsum(reads, axis=0, reverse=True) + (tl.cumsum(writes_out, axis=0) - writes_out) \
+            + through[None, :]
+        tl.store(dg + out, dg_t, mask=m_tk)
+
+
+def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *,
+                          need_dlog_a=True, need_dh0=True):
+    """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero)."""
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
+    NT = triton.cdiv(T, C)
+    BK, BV = _block(K), _block(V)
+    prec = _prec(v.dtype)
+    f32 = dict(dtype=torch.float32, device=v.device)
+    dummy = torch.empty(1, **f32)
+    do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
+    if dhT is not None:
+        dhT = dhT.to(torch.float32).contiguous()
+    need_dlog_a = need_dlog_a and decay > 0
+    b = chunk_cumsum(log_a, C) if decay else None
+    h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
+    b_ = b if b is not None else dummy
+
+    dh = _new(B, H, NT, K, V, **f32)
+    dh0 = _new(B, H, K, V, **f32) if (need_dh0 and initial_state is not None) else None
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+    _bwd_dh_kernel[grid](q, b_, do, dh, dhT if dhT is not None else dummy,
+                         dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K,
+                         V=V, C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None,
+                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=_loop_count(NT))
+
+    A = intra_A(q, k, b, H, C) if decay == 2 else None
+    dv = _new(*v.shape, dtype=v.dtype, device=v.device)
+    _bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
+        q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK, K=K,
+        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec)
+
+    dq = _new(B, T, H, K, **f32)
+    dk = _new(B, T, H, K, **f32)
+    if decay == 2:
+        dA = _new(B, H, T, C, **f32)
+        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec)
+        _bwd_intra_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
+            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec)
+    dg = _new(B, T, H, K, **f32) if need_dlog_a else None
+    _bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
+        q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, float(scale), T, NT, H=H,
+        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec)
+
+    dlog_a = None
+    if need_dlog_a:  # dg is per key; a scalar decay per head gets the sum over keys
+        dlog_a = dg if decay == 2 else dg.sum(-1)
+        dlog_a = torch.where(log_a < LOG_A_MIN, 0.0, dlog_a)       # clamped: no gradient
+    G = H // HK
+    dq = dq.view(B, T, HK, G, K).sum(3).to(q.dtype)
+    dk = dk.view(B, T, HK, G, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dlog_a, dh0
