@@ -1,0 +1,310 @@
+"""Chunkwise gated delta rule (Gated DeltaNet) in Triton: forward kernels and the autograd wrapper.
+
+The math is the reference's (:mod:`hybridzoo.kernels.reference.delta_rule`, the spec). Per chunk
+of ``C`` tokens with incoming state ``S0`` (``Γ``: in-chunk decay mask, ``γ``: decay from the
+chunk start, ``e``: decay to the chunk end, ``γ_C``: the whole chunk's decay)::
+
+    A  = strictly_lower(diag(β) K Kᵀ ⊙ Γ),   Tm = (I + A)⁻¹          (forward substitution)
+    W  = Tm diag(β γ) K,   U0 = Tm diag(β) V                         (_wy_fwd_kernel, chunk-parallel)
+    Vn = U0 − W S0,        S1 = γ_C S0 + (e ⊙ K)ᵀ Vn                 (_state_fwd_kernel, sequential)
+    O  = scale · ((γ ⊙ Q) S0 + (Q Kᵀ ⊙ Γ) Vn)                         (_output_kernel, chunk-parallel)
+
+Decays are in-chunk sums of ``log_a`` built with additions only (``Γ`` from a masked cumulative
+sum, as :func:`~hybridzoo.kernels.reference.segsum.segsum`), so ``log_a = -inf`` gives 0, never
+NaN. States are float32; matrix products accumulate in float32 (IEEE for float32 inputs, TF32
+for bf16/fp16 inputs). The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W, U0`` and the
+chunk states from the saved inputs instead of storing them.
+
+``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
+or 64 are used as given, any other value runs with 64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.reference.delta_rule import _check
+
+__all__ = ["chunk_delta_rule"]
+
+
+def _empty(shape, *, dtype, device) -> torch.Tensor:
+    """Allocate a kernel output; tests replace this with a NaN fill to catch unwritten elements."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _chunk_decays(la_ptr, rows, mask_t, C: tl.constexpr):
+    """In-chunk decays from the chunk's log decays (additions only, -inf safe).
+
+    Returns ``Γ [C, C]`` (``Γ[r, s] = a_{s+1}⋯a_r`` for ``s <= r``, else 0), ``γ [C]`` (from the
+    chunk start, inclusive), ``e [C]`` (to the chunk end, exclusive) and ``γ_C`` (scalar).
+    Positions past T load ``log_a = 0`` (no decay).
+    """
+    la = tl.load(la_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
+    r = tl.arange(0, C)
+    seg = tl.cumsum(tl.where(r[:, None] > r[None, :], la[:, None], 0.0), axis=0)
+    gamma_mat = tl.where(r[:, None] >= r[None, :], tl.exp(seg), 0.0)
+    gamma_in = tl.exp(tl.cumsum(la, axis=0))
+    gamma_out = tl.exp(tl.sum(tl.where(r[None, :] > r[:, None], la[None, :], 0.0), axis=1))
+    gamma_chunk = tl.exp(tl.sum(la, axis=0))
+    return gamma_mat, gamma_in, gamma_out, gamma_chunk
+
+
+@triton.jit
+def _load_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr):
+    """Load a ``[C, len(offs)]`` float32 tile: row ``i`` at ``ptr + rows[i] * width``, columns ``offs < D``."""
+    mask = mask_t[:, None] & (offs[None, :] < D)
+    return tl.load(ptr + rows[:, None] * width + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr, x):
+    mask = mask_t[:, None] & (offs[None, :] < D)
+    tl.store(ptr + rows[:, None] * width + offs[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unit_lower_inverse(a, C: tl.constexpr):
+    """``(I + a)⁻¹`` for a strictly lower ``[C, C]`` tile, by forward substitution over rows.
+
+    With ``N = (I + a)⁻¹ − I``: ``N[i] = −a[i] − Σ_j a[i, j] N[j]`` (only rows ``j < i`` are used).
+    """
+    r = tl.arange(0, C)
+    n = tl.zeros([C, C], dtype=tl.float32)
+    for i in range(1, C):
+        a_i = -tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
+        n_i = a_i + tl.sum(a_i[:, None] * n, axis=0)
+        n = tl.where(r[:, None] == i, n_i[None, :], n)
+    return n + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- forward kernels
+
+
+@triton.jit
+def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
+                   H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h              # [B, T, H] row index
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G  # q/k head row index
+    offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
+
+    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+    beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
+    gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
+
+    k_beta = key * beta[:, None]
+    a = tl.dot(k_beta, tl.trans(key), input_precision=PREC) * gamma_mat
+    a = tl.where(offs_c[:, None] > offs_c[None, :], a, 0.0)
+    tm = _unit_lower_inverse(a, C)
+    _store_rows(tm_ptr, rows, C, offs_c, mask_t, C, tm)
+    w = tl.dot(tm, k_beta * gamma_in[:, None], input_precision=PREC)
+    _store_rows(w_ptr, rows, K, offs_k, mask_t, K, w)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
+        u = tl.dot(tm, value * beta[:, None], input_precision=PREC)
+        _store_rows(u_ptr, rows, V, offs_v, mask_t, V, u)
+
+
+@triton.jit
+def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N,
+                      H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over chunks for one (batch, head, V-block): stores the state entering each
+    chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0`` and the final state."""
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    s_offs = offs_k[:, None] * V + offs_v[None, :]
+    s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    if HAS_H0:
+        state = tl.load(h0_ptr + i_bh.to(tl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
+        tl.store(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, state, mask=s_mask)
+        offs_t = i_n * C + tl.arange(0, C)
+        mask_t = offs_t < T
+        rows = (b.to(tl.int64) * T + offs_t) * H + h
+        rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
+        u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
+        vn = u - tl.dot(w, state, input_precision=PREC)
+        _store_rows(vn_ptr, rows, V, offs_v, mask_t, V, vn)
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        _, _, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
+        state = state * gamma_chunk + tl.dot(tl.trans(key * gamma_out[:, None]), vn, input_precision=PREC)
+    tl.store(ht_ptr + i_bh.to(tl.int64) * K * V + s_offs, state, mask=s_mask)
+
+
+@triton.jit
+def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
+                   H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """``O = scale · ((γ ⊙ Q) S0 + (Q Kᵀ ⊙ Γ) Vn)`` for one chunk, head and V-block."""
+    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = i_bh // H, i_bh % H
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+
+    query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
+    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+    gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
+    s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    s0 = tl.load(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                 mask=s_mask, other=0.0)
+    vn = _load_rows(vn_ptr, rows, V, offs_v, mask_t, V)
+    scores = tl.dot(query, tl.trans(key), input_precision=PREC) * gamma_mat
+    o = tl.dot(query * gamma_in[:, None], s0, input_precision=PREC)
+    o += tl.dot(scores, vn, input_precision=PREC)
+    _store_rows(o_ptr, rows, V, offs_v, mask_t, V, o * scale)
+
+
+# ----------------------------------------------------------------------------- launch helpers
+
+
+class _Config:
+    """Shapes, block sizes and launch settings shared by the forward and backward launches."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int):
+        self.B, self.T, self.Hk, self.K = q.shape
+        self.H, self.V = v.shape[2], v.shape[3]
+        self.G = self.H // self.Hk
+        self.C = chunk_size if chunk_size in (16, 32, 64) else 64
+        self.N = triton.cdiv(self.T, self.C)
+        self.BK = max(16, triton.next_power_of_2(self.K))
+        self.BV = min(max(16, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
+        self.NV = triton.cdiv(self.V, self.BV)
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.warps = 4 if self.BK <= 64 else 8
+        # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
+        # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
+        self.stages = 3 if self.BK <= 64 else 1
+        self.device = q.device
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        # Key block of the WY backward (several blocks are tested under the interpreter).
+        self.bkw = 16 if interpret else min(self.BK, 64)
+        # Triton 3.6's interpreter cannot loop to a runtime bound (numpy >= 2 refuses int() of
+        # its 1-element scalars): there the sequential kernels get the chunk count as a constant.
+        self.n_interp = self.N if interpret else 0
+
+    def consts(self) -> dict:
+        return dict(H=self.H, G=self.G, K=self.K, V=self.V, C=self.C, BK=self.BK, BV=self.BV,
+                    PREC=self.prec, num_warps=self.warps, num_stages=self.stages)
+
+    def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
+        return _empty(shape, dtype=dtype, device=self.device)
+
+
+def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
+    """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, all float32."""
+    B, T, H, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.C, cfg.N
+    tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K), cfg.buf(B, T, H, V)
+    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.consts())
+    h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
+    h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
+    _state_fwd_kernel[(B * H, cfg.NV)](k, w, u, log_a, h0, h, vn, ht, T, N,
+                                       HAS_H0=initial_state is not None, N_INTERP=cfg.n_interp,
+                                       **cfg.consts())
+    return tm, w, u, h, vn, ht
+
+
+class _ChunkDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_a, beta, initial_state, scale, chunk_size):
+        cfg = _Config(q, v, chunk_size)
+        _, _, _, h, vn, ht = _recompute_states(cfg, k, v, beta, log_a, initial_state)
+        o = cfg.buf(cfg.B, cfg.T, cfg.H, cfg.V, dtype=v.dtype)
+        _output_kernel[(cfg.N, cfg.B * cfg.H, cfg.NV)](q, k, log_a, h, vn, o, scale, cfg.T, cfg.N,
+                                                        **cfg.consts())
+        ctx.save_for_backward(q, k, v, log_a, beta, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
+
+        q, k, v, log_a, beta, initial_state = ctx.saved_tensors
+        cfg = _Config(q, v, ctx.chunk_size)
+        states = _recompute_states(cfg, k, v, beta, log_a, initial_state)
+        dq, dk, dv, dla, dbeta, dh0 = delta_rule_backward(
+            cfg, q, k, v, log_a, beta, states, do.contiguous(), dht, ctx.scale)
+        return dq, dk, dv, dla, dbeta, (dh0 if initial_state is not None else None), None, None
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_a: torch.Tensor | None,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise gated delta rule, Triton kernels (forward and backward); same contract as the reference.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` bf16/fp16/fp32, ``K <= 256`` (k is usually L2-normalised).
+        v: ``[B, T, H, V]`` with ``H % Hk == 0``; value head ``h`` uses q/k head ``h // (H // Hk)``.
+        log_a: ``[B, T, H]`` (``<= 0``; ``-inf`` resets the state) or None (no decay).
+        beta: ``[B, T, H]`` write strengths.
+        scale: multiplies the read; default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` (float32 is used inside) or None (zeros).
+        output_final_state: also return the state after the last token.
+        chunk_size: 16, 32 or 64 (any other value runs with 64; the result is the same function).
+
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``. Gradients flow
+        to q, k, v, log_a, beta and initial_state, and from final_state.
+    """
+    _check(q, k, v, log_a, beta, initial_state, step=False)
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("triton chunk_delta_rule needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "importing triton); use backend='reference' on the CPU")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("log_a", log_a), ("beta", beta),
+                    ("initial_state", initial_state)):
+        if t is not None and t.dtype == torch.float64:
+            raise ValueError(f"triton chunk_delta_rule does not take float64 ({name}); "
+                             "use backend='reference' for float64")
+    if q.shape[-1] > 256:
+        raise ValueError(f"triton chunk_delta_rule needs K <= 256, got K={q.shape[-1]}; "
+                         "use backend='reference'")
+    B, T, Hk, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else float(scale)
+    if T == 0:
+        state = (torch.zeros(B, H, K, V, dtype=torch.float32, device=v.device) if initial_state is None
+                 else initial_state.float())
+        return v.new_zeros(v.shape), (state if output_final_state else None)
+    if log_a is None:
+        log_a_in = torch.zeros(B, T, H, dtype=torch.float32, device=v.device)
+    else:
+        log_a_in = log_a.contiguous()
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    o, final_state = _ChunkDeltaRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_a_in,
+                                           beta.contiguous(), h0, scale, chunk_size)
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,232 @@
+"""Backward kernels of the Triton chunkwise gated delta rule (see :mod:`.delta_rule` for the forward).
+
+Per chunk, with the forward's ``Tm, W, U0, Vn`` and states ``S0`` (entering) recomputed, and
+``dS1`` the gradient of the state leaving the chunk (``dO`` scaled by ``scale`` where it meets O)::
+
+    dVn = (Q Kᵀ ⊙ Γ)ᵀ dO + (e ⊙ K) dS1                    (_dv_local_kernel + _state_bwd_kernel)
+    dS0 = γ_C dS1 + (γ ⊙ Q)ᵀ dO − Wᵀ dVn                 (_state_bwd_kernel, sequential, reverse)
+    dQ  = γ ⊙ (dO S0ᵀ) + (dO Vnᵀ ⊙ Γ) K                  (_bwd_qk_kernel)
+    dK ∋ (dO Vnᵀ ⊙ Γ)ᵀ Q + e ⊙ (Vn dS1ᵀ),   dW = −dVn S0ᵀ
+    through the WY solve (_bwd_wy_kernel): dX_V = Tmᵀ dVn, dX_K = Tmᵀ dW,
+    dV = β ⊙ dX_V,   dA = −strictly_lower(dX_V U0ᵀ + dX_K Wᵀ)   (the gradient of (I + A)⁻¹),
+    A = diag(β) K Kᵀ ⊙ Γ  gives  dK ∋ β ⊙ (P K) + Pᵀ (β ⊙ K) with P = dA ⊙ Γ,  dβ, and the decays.
+
+The decay gradient is exact and chunk-local: every decay factor is ``exp`` of an in-chunk sum of
+logs, so each contributes ``value × gradient`` to the positions of its sum. These are gathered as
+per-position terms ``dg`` (row sums minus column sums of ``dΓ ⊙ Γ``, ``dγ ⊙ γ``, ``−de ⊙ e``, and
+``Σ de ⊙ e + dγ_C γ_C`` at the chunk's last position) and ``d log_a`` is their reverse cumulative
+sum inside the chunk: no long subtraction, and decay values of 0 (resets) give finite gradients.
+
+Per value head ``dq, dk`` are float32 buffers summed over each q/k head's group in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.triton.delta_rule import _chunk_decays, _load_rows, _store_rows
+
+
+@triton.jit
+def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
+                     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The in-chunk part of dVn: ``scale · (Q Kᵀ ⊙ Γ)ᵀ dO``."""
+    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = i_bh // H, i_bh % H
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
+    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+    gamma_mat, _, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
+    scores = tl.dot(query, tl.trans(key), input_precision=PREC) * gamma_mat
+    do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
+    dv = tl.dot(tl.trans(scores), do, input_precision=PREC) * scale
+    _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dv)
+
+
+@triton.jit
+def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_ptr, dh0_ptr,
+                      scale, T, N,
+                      H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
+    """Reverse over chunks for one (batch, head, V-block): stores ``dS1`` of each chunk in
+    ``dh [B, H, N, K, V]``, turns the local dVn (in ``dv``) into the full dVn in place, and
+    writes the initial state's gradient."""
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    s_offs = offs_k[:, None] * V + offs_v[None, :]
+    s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    if HAS_DHT:
+        dstate = tl.load(dht_ptr + i_bh.to(tl.int64) * K * V + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(0, N_INTERP if N_INTERP > 0 else N):
+        i_n = N - 1 - i
+        tl.store(dh_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, dstate, mask=s_mask)
+        offs_t = i_n * C + tl.arange(0, C)
+        mask_t = offs_t < T
+        rows = (b.to(tl.int64) * T + offs_t) * H + h
+        rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        _, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
+        dvn = _load_rows(dv_ptr, rows, V, offs_v, mask_t, V)
+        dvn += tl.dot(key * gamma_out[:, None], dstate, input_precision=PREC)
+        _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dvn)
+        query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
+        do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
+        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
+        dstate = dstate * gamma_chunk
+        dstate += tl.dot(tl.trans(query * (gamma_in * scale)[:, None]), do, input_precision=PREC)
+        dstate -= tl.dot(tl.trans(w), dvn, input_precision=PREC)
+    tl.store(dh0_ptr + i_bh.to(tl.int64) * K * V + s_offs, dstate, mask=s_mask)
+
+
+@triton.jit
+def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
+                   dq_ptr, dk_ptr, dw_ptr, dg_ptr, scale, T, N,
+                   H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
+    state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
+
+    dq_acc = tl.zeros([C, BK], dtype=tl.float32)    # dO S0ᵀ
+    dw = tl.zeros([C, BK], dtype=tl.float32)        # −dVn S0ᵀ
+    dk_end = tl.zeros([C, BK], dtype=tl.float32)    # Vn dS1ᵀ
+    do_vn = tl.zeros([C, C], dtype=tl.float32)      # dO Vnᵀ
+    dgamma_chunk = tl.zeros([BK], dtype=tl.float32)  # Σ S0 ⊙ dS1, summed at the end
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        s_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
+        s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+        s0 = tl.load(h_ptr + s_offs, mask=s_mask, other=0.0)
+        ds1 = tl.load(dh_ptr + s_offs, mask=s_mask, other=0.0)
+        vn = _load_rows(vn_ptr, rows, V, offs_v, mask_t, V)
+        dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
+        do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
+        dq_acc += tl.dot(do, tl.trans(s0), input_precision=PREC)
+        dw -= tl.dot(dvn, tl.trans(s0), input_precision=PREC)
+        dk_end += tl.dot(vn, tl.trans(ds1), input_precision=PREC)
+        do_vn += tl.dot(do, tl.trans(vn), input_precision=PREC)
+        dgamma_chunk += tl.sum(s0 * ds1, axis=1)
+
+    query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
+    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+    gamma_mat, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
+    ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
+    dq = dq_acc * (gamma_in * scale)[:, None] + tl.dot(ds_mat, key, input_precision=PREC)
+    dk = tl.dot(tl.trans(ds_mat), query, input_precision=PREC) + dk_end * gamma_out[:, None]
+    _store_rows(dq_ptr, rows, K, offs_k, mask_t, K, dq)
+    _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
+    _store_rows(dw_ptr, rows, K, offs_k, mask_t, K, dw)
+
+    m = ds_mat * tl.dot(query, tl.trans(key), input_precision=PREC)   # dΓ ⊙ Γ from the read
+    dgamma_in = tl.sum(query * dq_acc, axis=1) * scale
+    de = tl.sum(key * dk_end, axis=1) * gamma_out
+    last = tl.sum(de, axis=0) + tl.sum(dgamma_chunk, axis=0) * gamma_chunk
+    dg = tl.sum(m, axis=1) - tl.sum(m, axis=0) + dgamma_in * gamma_in - de
+    dg += tl.where(offs_c == C - 1, last, 0.0)
+    tl.store(dg_ptr + (i_bh.to(tl.int64) * N + i_n) * C + offs_c, dg)  # padded to N * C
+
+
+@triton.jit
+def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr, dw_ptr, dg_ptr,
+                   dk_ptr, dv_ptr, dbeta_ptr, dla_ptr, T, N,
+                   H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Per chunk and value head: gradients through ``W, U0 = (I + A)⁻¹ [diag(βγ) K | diag(β) V]``;
+    finishes dk (adds to the partial dk of _bwd_qk_kernel), writes dv, dβ and d log_a.
+    Keys are visited in blocks of ``BKW`` (twice: dA needs every key before dk can be finished)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_c = tl.arange(0, C)
+
+    tm = _load_rows(tm_ptr, rows, C, offs_c, mask_t, C)
+    beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
+    gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
+    da = tl.zeros([C, C], dtype=tl.float32)         # dX_V U0ᵀ + dX_K Wᵀ (negated below)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
+        dxv = tl.dot(tl.trans(tm), dvn, input_precision=PREC)
+        value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
+        u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
+        _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dxv * beta[:, None])
+        dbeta += tl.sum(value * dxv, axis=1)
+        da += tl.dot(dxv, tl.trans(u), input_precision=PREC)
+
+    kk = tl.zeros([C, C], dtype=tl.float32)         # K Kᵀ
+    rk = tl.zeros([C], dtype=tl.float32)            # Σ_k K ⊙ dX_K
+    for i_k in range(0, tl.cdiv(K, BKW)):
+        offs_k = i_k * BKW + tl.arange(0, BKW)
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
+        dxk = tl.dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), input_precision=PREC)
+        da += tl.dot(dxk, tl.trans(w), input_precision=PREC)
+        kk += tl.dot(key, tl.trans(key), input_precision=PREC)
+        rk += tl.sum(key * dxk, axis=1)
+    da = tl.where(offs_c[:, None] > offs_c[None, :], -da, 0.0)
+    p = da * gamma_mat                               # dA ⊙ Γ
+    for i_k in range(0, tl.cdiv(K, BKW)):
+        offs_k = i_k * BKW + tl.arange(0, BKW)
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        dxk = tl.dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), input_precision=PREC)
+        dk = _load_rows(dk_ptr, rows, K, offs_k, mask_t, K)
+        dk += dxk * (beta * gamma_in)[:, None]
+        dk += tl.dot(p, key, input_precision=PREC) * beta[:, None]
+        dk += tl.dot(tl.trans(p), key * beta[:, None], input_precision=PREC)
+        _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
+    dbeta += gamma_in * rk + tl.sum(p * kk, axis=1)
+    tl.store(dbeta_ptr + rows, dbeta, mask=mask_t)
+
+    m = p * kk * beta[:, None]                       # dΓ ⊙ Γ from A
+    dg = tl.load(dg_ptr + (i_bh.to(tl.int64) * N + i_n) * C + offs_c)
+    dg += gamma_in * beta * rk + tl.sum(m, axis=1) - tl.sum(m, axis=0)
+    tl.store(dla_ptr + rows, tl.cumsum(dg, axis=0, reverse=True), mask=mask_t)
+
+
+def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
+    """Launch the backward kernels. ``states = (tm, w, u, h, vn, _)`` from the forward recompute.
+
+    Returns ``(dq, dk, dv, dlog_a, dbeta, dinitial_state)`` in the inputs' dtypes (the last float32).
+    """
+    tm, w, u, h, vn, _ = states
+    B, T, H, Hk, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V, cfg.C, cfg.N
+    consts = cfg.consts()
+    dvn = cfg.buf(B, T, H, V)
+    _dv_local_kernel[(N, B * H, cfg.NV)](q, k, log_a, do, dvn, scale, T, **consts)
+    dh, dh0 = cfg.buf(B, H, N, K, V), cfg.buf(B, H, K, V)
+    has_dht = dht is not None
+    dht = dht.float().contiguous() if has_dht else dh0
+    _state_bwd_kernel[(B * H, cfg.NV)](q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
+                                       HAS_DHT=has_dht, N_INTERP=cfg.n_interp, **consts)
+    dq, dk, dw = cfg.buf(B, T, H, K), cfg.buf(B, T, H, K), cfg.buf(B, T, H, K)
+    dg = cfg.buf(B, H, N * C)
+    _bwd_qk_kernel[(N, B * H)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N, **consts)
+    dv = cfg.buf(B, T, H, V, dtype=v.dtype)
+    dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)
+    _bwd_wy_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, dvn, dw, dg, dk, dv, dbeta, dla, T, N,
+                               BKW=cfg.bkw, **consts)
+    dq = dq.view(B, T, Hk, cfg.G, K).sum(3).to(q.dtype)
+    dk = dk.view(B, T, Hk, cfg.G, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dla.to(log_a.dtype), dbeta.to(beta.dtype), dh0
