@@ -145,6 +145,28 @@ CASES = [
 ]
 
 
+def write_results(path: str, rows: list[dict], bandwidth: float) -> None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    for module in ("triton", "fla", "mamba_ssm"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:
+            versions[module] = None
+    result = {
+        "date": str(datetime.date.today()), "commit": commit or "unknown", "device": torch.cuda.get_device_name(),
+        "versions": versions, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
+        "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
+                "(its guard bypassed; its gradients may be wrong on this Triton)",
+        "rows": rows,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}-kernels-h200.json")
@@ -177,26 +199,9 @@ def main() -> int:
         rows.append(row)
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
+        write_results(args.out, rows, bandwidth)
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for module in ("triton", "fla", "mamba_ssm"):
-        try:
-            versions[module] = __import__(module).__version__
-        except Exception:
-            versions[module] = None
-    result = {
-        "date": str(datetime.date.today()), "commit": commit or "unknown", "device": torch.cuda.get_device_name(),
-        "versions": versions, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
-        "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
-                "(its guard bypassed; its gradients may be wrong on this Triton)",
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, rows, bandwidth)
 
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
