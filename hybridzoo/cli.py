@@ -1,8 +1,14 @@
 """The ``hybridzoo`` command line.
 
-Subcommands so far: ``demo`` (run the reference kernels and print a report). ``fit``,
-``validate``, ``test``, ``generate``, ``eval``, ``convert`` and ``recipes`` arrive with the
-model and training issues.
+    hybridzoo fit --config tiny-hybrid        train (LightningCLI; also validate, test)
+    hybridzoo eval runs/tiny-hybrid/export    held-out loss, perplexity, bits per byte, tokens/s
+    hybridzoo generate DIR --prompt TEXT      sample a continuation
+    hybridzoo recipes                         list the packaged recipes
+    hybridzoo convert SRC OUT                 convert a Hugging Face / mamba_ssm checkpoint
+    hybridzoo demo                            every reference kernel against its step loop
+
+``fit`` / ``validate`` / ``test`` take LightningCLI arguments: ``hybridzoo fit --help``.
+Every subcommand imports what it needs only when it runs.
 """
 
 from __future__ import annotations
@@ -10,19 +16,108 @@ from __future__ import annotations
 import argparse
 import sys
 
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridzoo", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridzoo",
+                                     description="hybridzoo: hybrid recurrent language models "
+                                                 "(train, evaluate, generate, convert).",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:9]))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in (("fit", "train a model (LightningCLI: hybridzoo fit --help)"),
+                       ("validate", "run the validation set (LightningCLI)"),
+                       ("test", "run the test set (LightningCLI)")):
+        sub.add_parser(name, help=text, add_help=False)
+
+    evaluate = sub.add_parser("eval", help="evaluate an exported checkpoint directory")
+    evaluate.add_argument("directory", help="a checkpoint directory (model.safetensors + config.json)")
+    evaluate.add_argument("--data", action="append", metavar="PATH",
+                          help="text / jsonl / parquet file or folder to evaluate on instead of the "
+                               "training data's held-out split (repeatable)")
+    evaluate.add_argument("--max-batches", type=int, default=None,
+                          help="evaluate at most this many batches (default: the whole held-out split)")
+    evaluate.add_argument("--batch-size", type=int, default=None, help="override the training batch size")
+    evaluate.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    generate = sub.add_parser("generate", help="generate text from an exported checkpoint directory")
+    generate.add_argument("directory", help="a checkpoint directory (model.safetensors + config.json)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    sub.add_parser("recipes", help="list the packaged recipes")
+
+    convert = sub.add_parser("convert", help="convert a Hugging Face / mamba_ssm checkpoint to hybridzoo")
+    convert.add_argument("src", help="source checkpoint directory")
+    convert.add_argument("out", help="output directory (model.safetensors + config.json)")
+
     demo = sub.add_parser("demo", help="run every reference kernel against its step loop and print a report")
     demo.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        from hybridzoo.training.cli import main as lightning_main
+
+        return lightning_main(argv)
+    args = _parser().parse_args(argv)
     if args.command == "demo":
         from hybridzoo.demo import main as demo_main
 
         return demo_main(seq_len=args.seq_len)
-    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
-    return 2
+    if args.command == "eval":
+        from hybridzoo.training.evaluate import eval_command
+
+        return eval_command(args)
+    if args.command == "generate":
+        from hybridzoo.training.evaluate import generate_command
+
+        return generate_command(args)
+    if args.command == "recipes":
+        return _recipes()
+    if args.command == "convert":
+        return _convert(args.src, args.out)
+    return 2  # pragma: no cover (argparse rejects unknown commands)
+
+
+def _recipes() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybridzoo.zoo.recipes import recipe_table
+
+    table = Table(title="packaged recipes (hybridzoo fit --config NAME, HybridLM.from_recipe(NAME))")
+    for column, justify in (("name", "left"), ("layers", "left"), ("d_model", "right"),
+                            ("n_layers", "right"), ("parameters", "right")):
+        table.add_column(column, justify=justify)
+    for row in recipe_table():
+        table.add_row(row["name"], row["layers"], str(row["d_model"]), str(row["n_layers"]),
+                      f"{row['parameters']:,}")
+    Console().print(table)
+    return 0
+
+
+def _convert(src: str, out: str) -> int:
+    from hybridzoo.zoo import CheckpointError, ConfigError
+    from hybridzoo.zoo.convert import convert_checkpoint
+
+    try:
+        result = convert_checkpoint(src, out)
+    except (CheckpointError, ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError) as error:
+        print(f"hybridzoo convert: error: {error}", file=sys.stderr)
+        return 2
+    print(f"converted {src} -> {result if result is not None else out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,21 +15,25 @@ heads, ``Hk`` K/V heads (query head ``h`` uses K/V head ``h // (H / Hk)``) and h
     y       = o_proj(o * sigmoid(gate))                 # gate only if output_gate
 
 The state is a :class:`KVState`: the rotated keys and the values seen so far, in one buffer that
-is appended to in place (see :class:`KVState` for when a copy is made instead).
+is appended to in place (see :class:`KVState` for when a copy is made instead). SeCO passes a
+:class:`BlockKVState` instead: one store for the whole sequence, attended block by block, whose
+backward adds the prefix's K/V gradients into one buffer (full attention only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from hybridzoo.kernels import attention
+from hybridzoo.kernels import attention, merge_attention
 from hybridzoo.layers.base import Mixer
 from hybridzoo.layers.norms import RMSNorm
+from hybridzoo.layers.prefix_attention import block_prefix_attention
 from hybridzoo.layers.rotary import Rotary
-from hybridzoo.layers.state import MixerState
+from hybridzoo.layers.state import MixerState, StateError
 
 
 @dataclass
@@ -144,6 +148,67 @@ class KVState(MixerState):
         return self.k_buf.shape[1]
 
 
+@dataclass
+class BlockKVState(MixerState):
+    """A full-attention state for chunked training (SeCO): one K/V store for the whole sequence.
+
+    A call with this state attends to its own tokens causally and to the stored prefix
+    ``[:, :length]`` block by block (:func:`~hybridzoo.layers.prefix_attention.block_prefix_attention`),
+    the two merged by log-sum-exp; the prefix is read in place (no copy, also from host memory).
+    The returned state is this one advanced by the call's ``T`` tokens, with ``own_k``/``own_v``
+    set to the call's keys/values (autograd tensors: SeCO feeds them the gradient that later
+    chunks left in ``k_grad``/``v_grad``). Full attention only; a sliding window keeps a
+    :class:`KVState` (it is a bounded, Markov state).
+
+    Attributes:
+        k_buf, v_buf: the stores ``[B, capacity, Hk, D]`` in the activation dtype, or None until the
+            first call allocates them (on ``store_device``, pinned if ``pin_memory``).
+        capacity: positions the stores hold (the sequence length).
+        length: positions already in the store, i.e. the prefix of the next call.
+        offset: tokens consumed so far (rotary positions); equals ``length``.
+        block_size: prefix positions read per block.
+        store_device: where the stores live (None: with the activations; ``"cpu"``: offloaded).
+        pin_memory: allocate host stores in pinned memory (only with CUDA available).
+        read_only: False: a call writes its K/V into the store (stage 1); True: the store already
+            holds them and is only read (stage 2, recomputation with grad).
+        k_grad, v_grad: gradient buffers shaped like the stores, on the activations' device, or None.
+        own_k, own_v: keys/values ``[B, T, Hk, D]`` of the call that returned this state.
+    """
+
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+    capacity: int = 0
+    length: int = 0
+    offset: int = 0
+    block_size: int = 4096
+    store_device: torch.device | str | None = None
+    pin_memory: bool = False
+    read_only: bool = False
+    k_grad: torch.Tensor | None = None
+    v_grad: torch.Tensor | None = None
+    own_k: torch.Tensor | None = field(default=None, repr=False)
+    own_v: torch.Tensor | None = field(default=None, repr=False)
+
+    def check(self, kind: str, batch_size: int, device: torch.device,
+              expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Kind, batch, heads and head size must fit; the stores may sit on another device and,
+        under autocast, hold another dtype than the input; the gradient buffers must be on the
+        input's device."""
+        if self.kind != kind:
+            raise StateError(f"{kind}: got a state of a {self.kind!r} mixer")
+        for name in ("k_buf", "v_buf", "k_grad", "v_grad"):
+            tensor = getattr(self, name)
+            if tensor is None:
+                continue
+            shape = expected["v_buf" if name.startswith("v") else "k_buf"][0]
+            if tensor.dim() != 4 or tensor.shape[0] != batch_size or tuple(tensor.shape[2:]) != tuple(shape[2:]) \
+                    or tensor.shape[1] != self.capacity:
+                raise StateError(f"{kind}: BlockKVState field {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {(batch_size, self.capacity, *shape[2:])}")
+            if name.endswith("grad") and tensor.device != device:
+                raise StateError(f"{kind}: BlockKVState field {name!r} is on {tensor.device}, input on {device}")
+
+
 class Attention(Mixer):
     """Causal softmax attention mixer: ``y, state = mixer(x, state=None)``, ``x, y: [B, T, d_model]``.
 
@@ -240,13 +305,48 @@ class Attention(Mixer):
         offset = 0 if state is None else state.offset
         q, k = self.rotary(q, offset), self.rotary(k, offset)
 
-        prefix = None if state is None or state.length == 0 else (state.k, state.v)
-        o, _ = attention(q, k, v, window=self.config.window, prefix=prefix, scale=self.scale,
-                         backend=self.backend)
+        if isinstance(state, BlockKVState):
+            o, state = self._attend_store(q, k, v, state)
+        else:
+            prefix = None if state is None or state.length == 0 else (state.k, state.v)
+            o, _ = attention(q, k, v, window=self.config.window, prefix=prefix, scale=self.scale,
+                             backend=self.backend)
+            state = self._append(state, k, v)
         o = o.reshape(B, T, H * D)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return self.o_proj(o), self._append(state, k, v)
+        return self.o_proj(o), state
+
+    def _attend_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockKVState
+                      ) -> tuple[torch.Tensor, BlockKVState]:
+        """Attention over ``state``'s stored prefix (block by block) and this call's own tokens,
+        merged by log-sum-exp; writes ``k, v`` into the store unless ``state.read_only``."""
+        if self.config.window is not None:
+            raise ValueError("Attention: a BlockKVState serves full attention only; a sliding-window "
+                             "layer carries a KVState")
+        T, P = k.shape[1], state.length
+        if P + T > state.capacity:
+            raise ValueError(f"Attention: BlockKVState holds {state.capacity} positions, "
+                             f"{P} stored + {T} new do not fit")
+        o, lse = attention(q, k, v, scale=self.scale, return_lse=True, backend=self.backend)
+        if P > 0:
+            o_prefix, lse_prefix = block_prefix_attention(
+                q, state.k_buf, state.v_buf, P, block_size=state.block_size, scale=self.scale,
+                k_grad=state.k_grad, v_grad=state.v_grad, backend=self.backend)
+            o, _ = merge_attention(o_prefix, lse_prefix, o, lse)
+        k_buf, v_buf = state.k_buf, state.v_buf
+        if not state.read_only:
+            if k_buf is None:  # first call: allocate the stores in the dtype attention consumes
+                device = torch.device(state.store_device) if state.store_device is not None else k.device
+                pin = state.pin_memory and device.type == "cpu" and torch.cuda.is_available()
+                shape = (k.shape[0], state.capacity, *k.shape[2:])
+                k_buf = torch.empty(shape, dtype=k.dtype, device=device, pin_memory=pin)
+                v_buf = torch.empty(shape[:3] + v.shape[3:], dtype=v.dtype, device=device, pin_memory=pin)
+            with torch.no_grad():
+                k_buf[:, P:P + T].copy_(k, non_blocking=k_buf.is_pinned())
+                v_buf[:, P:P + T].copy_(v, non_blocking=v_buf.is_pinned())
+        return o, dataclasses.replace(state, k_buf=k_buf, v_buf=v_buf, length=P + T,
+                                      offset=state.offset + T, own_k=k, own_v=v)
 
     def _append(self, state: KVState | None, k: torch.Tensor, v: torch.Tensor) -> KVState:
         """The state after ``state`` followed by keys/values ``k, v [B, T, Hk, D]`` (see KVState)."""

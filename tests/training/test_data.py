@@ -9,6 +9,8 @@ import sysconfig
 from pathlib import Path
 
 import lightning as L
+import sys
+
 import pytest
 import torch
 
@@ -275,8 +277,9 @@ def test_bad_arguments():
         TextDataModule(tokenizer="/no_such_tokenizer").vocab_size
 
 
-@pytest.mark.skipif(HAS_PYARROW, reason="pyarrow is installed: the missing-pyarrow error cannot happen")
-def test_parquet_without_pyarrow_says_install_it(tmp_path):
+def test_parquet_without_pyarrow_says_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     dm = TextDataModule(paths=[str(tmp_path / "d.parquet")])
     with pytest.raises(ImportError, match="install pyarrow"):

@@ -1,0 +1,273 @@
+"""``hybridzoo fit / validate / test``: a LightningCLI around :class:`LanguageModel`.
+
+    hybridzoo fit --config tiny-hybrid                       # a packaged recipe name ...
+    hybridzoo fit --config my.yaml --config more.yaml        # ... or paths, several allowed
+    hybridzoo fit --config tiny-hybrid --trainer.max_steps 50 --data.init_args.seq_len 128
+    hybridzoo fit --config tiny-hybrid --ckpt_path last      # resume the newest checkpoint
+    hybridzoo fit --config tiny-hybrid --print_config
+
+What this adds to a plain LightningCLI:
+
+- ``--config NAME`` accepts packaged recipe names (``hybridzoo recipes`` lists them).
+- The data module is chosen by ``data.class_path`` (``TextDataModule``, the default, or
+  ``MQARDataModule``); its ``vocab_size`` is linked into ``model.config.vocab_size``.
+- Defaults: precision ``bf16-mixed`` when CUDA is available, else ``32-true``;
+  ``gradient_clip_val`` 1.0; ``seed_everything`` 0; a Rich progress bar; ``train/tokens_per_s``.
+- ``export.dirpath``: the :class:`ExportCallback` writes ``model.safetensors`` + ``config.json``
+  (+ tokenizer files, ``training.json``) at each checkpoint and at the end of fit, by default
+  into ``<trainer.default_root_dir>/export``.
+- ``--ckpt_path last`` finds the newest ``*.ckpt`` under ``trainer.default_root_dir`` (Lightning
+  alone looks only in the new run's own version folder, where there is none yet).
+- At the end of fit: the first and last held-out loss and where the export is.
+- Bad input (an unknown key or mixer, a missing data path, ...) ends with one clear error
+  line and exit status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond
+from hybridzoo.training.module import LanguageModel
+
+SUBCOMMANDS = ("fit", "validate", "test")
+
+# Lightning notices that say nothing about the user's run
+_QUIET = (
+    r".*LightningCLI's args parameter is intended.*",
+    r".*`tensorboardX` has been removed as a dependency.*",
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
+    r".*is smaller than the logging interval.*",
+    r".*does not have many workers which may be a bottleneck.*",
+    r".*Checkpoint directory .* exists and is not empty.*",
+    r".*The dirpath has changed from .* won't be reloaded.*",  # resuming into a new version folder
+)
+
+
+class HybridLightningCLI(LightningCLI):
+    """LightningCLI with ``LanguageModel``, a data module chosen by ``data.class_path`` and the
+    hybridzoo defaults (see the module docstring). ``args``: the argument list after the
+    program name, e.g. ``["fit", "--config", "recipe.yaml"]``."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True):
+        _import_data_modules()
+        self.started = time.perf_counter()
+        super().__init__(
+            LanguageModel,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_env": False},
+            args=args,
+            run=run,
+        )
+
+    # ---- parser ---------------------------------------------------------------------------
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ExportCallback, "export")
+        parser.set_defaults({
+            "trainer.precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+            "trainer.gradient_clip_val": 1.0,
+        })
+        data_default = _default_data_class()
+        if data_default is not None:
+            parser.set_defaults({"data": {"class_path": data_default}})
+        parser.link_arguments("data", "model.config.vocab_size", compute_fn=_data_vocab_size,
+                              apply_on="instantiate")
+
+    # ---- instantiation --------------------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get("ckpt_path") == "last":
+            root = Path(config.trainer.default_root_dir or ".")
+            found = find_last_checkpoint(root)
+            if found is None:
+                what = "starting from scratch" if self.subcommand == "fit" else "using the initial weights"
+                print(f"hybridzoo {self.subcommand}: --ckpt_path last: no checkpoint under {root}; {what}",
+                      file=sys.stderr)
+            config.ckpt_path = str(found) if found else None
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(RichProgressBar())
+        if not any(isinstance(c, TokensPerSecond) for c in callbacks):
+            callbacks.append(TokensPerSecond())
+        return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
+
+    def after_instantiate_classes(self) -> None:
+        export = self.export_callback()
+        if export is not None:
+            data = self.config.get(str(self.subcommand), self.config).get("data")
+            export.data_config = _plain(data) if data is not None else None
+
+    def export_callback(self) -> ExportCallback | None:
+        trainer = getattr(self, "trainer", None)
+        return next((c for c in (trainer.callbacks if trainer else []) if isinstance(c, ExportCallback)), None)
+
+    # ---- after fit ------------------------------------------------------------------------
+    def after_fit(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        history = getattr(self.model, "val_history", [])
+        seconds = time.perf_counter() - self.started
+        print(f"\nhybridzoo fit: {self.trainer.global_step} steps in {seconds:.0f} s")
+        if history:
+            (first_step, first), (last_step, last) = history[0], history[-1]
+            print(f"held-out loss: {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})")
+        export = self.export_callback()
+        if export is not None and export.last_export is not None:
+            print(f"export: {export.last_export}  (hybridzoo eval {export.last_export}; "
+                  f"hybridzoo generate {export.last_export} --prompt ...)")
+
+
+def find_last_checkpoint(root: Path) -> Path | None:
+    """The newest ``*.ckpt`` file under ``root`` (by modification time), or None."""
+    candidates = [p for p in Path(root).rglob("*.ckpt") if p.is_file()] if Path(root).is_dir() else []
+    return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+def _data_vocab_size(datamodule) -> int:
+    vocab = getattr(datamodule, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"{type(datamodule).__name__}.vocab_size is {vocab!r}: the data module must know "
+                         f"its vocabulary size before setup() so that the model can be built")
+    return vocab
+
+
+def _plain(value):
+    """A jsonargparse Namespace (or anything nested in one) as plain dicts and lists."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not k.startswith("__")}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _import_data_modules() -> None:
+    """Import the data modules so that ``class_path: TextDataModule`` (a short name) resolves."""
+    try:
+        import hybridzoo.training.data  # noqa: F401
+    except ImportError:  # pragma: no cover - only while the data modules are being written
+        pass
+
+
+def _default_data_class() -> str | None:
+    try:
+        from hybridzoo.training.data import TextDataModule
+    except ImportError:  # pragma: no cover
+        return None
+    return f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"
+
+
+def resolve_configs(argv: list[str]) -> list[str]:
+    """Replace each ``--config NAME`` / ``-c NAME`` / ``--config=NAME`` whose value is a
+    packaged recipe name (not a file) by the recipe's path."""
+    from hybridzoo.zoo.recipes import recipe_path
+
+    def resolve(value: str) -> str:
+        if any(ch in value for ch in "{}:\n") and not Path(value).exists():
+            return value  # an inline YAML/JSON config, left to jsonargparse
+        return str(recipe_path(value))
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            out += [arg, resolve(argv[i + 1])]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            arg = "--config=" + resolve(arg[len("--config="):])
+        out.append(arg)
+        i += 1
+    return out
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input, reported in one line without a traceback (set the
+    environment variable ``HYBRIDZOO_DEBUG=1`` to see the traceback). The data modules and
+    the config raise ``ValueError`` subclasses or ``FileNotFoundError`` for bad input."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from hybridzoo.zoo import CheckpointError, ConfigError
+
+    errors: list[type[BaseException]] = [ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError,
+                                         MisconfigurationException, ValueError]
+    try:
+        from hybridzoo.training import data
+
+        errors += [e for e in vars(data).values()
+                   if isinstance(e, type) and issubclass(e, Exception) and e.__module__ == data.__name__]
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_lightning() -> None:
+    """Silence Lightning notices that say nothing about the user's run (advertising tips,
+    the optional TensorBoard, ...)."""
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in logger.filters):
+        logger.addFilter(_NoTips())
+
+
+def root_cause(error: BaseException, errors: tuple[type[BaseException], ...]) -> BaseException:
+    """The innermost of ``error``'s chained exceptions that is one of ``errors``: jsonargparse
+    wraps an error raised while building the data module in a long "Union subtypes" message."""
+    found, seen = error, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, errors):
+            found = error
+        error = error.__cause__ or error.__context__
+    return found
+
+
+def main(argv: list[str]) -> int:
+    """Run ``fit`` / ``validate`` / ``test`` (``argv[0]``) with the rest of ``argv``."""
+    quiet_lightning()
+    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # Lightning's use, not the user's
+    command = argv[0] if argv else "fit"
+    try:
+        argv = resolve_configs(list(argv))
+    except FileNotFoundError as error:
+        print(f"hybridzoo {command}: error: {error}", file=sys.stderr)
+        return 2
+    errors = user_errors()
+    try:
+        HybridLightningCLI(args=argv)
+    except errors as error:
+        if os.environ.get("HYBRIDZOO_DEBUG"):
+            raise
+        print(f"hybridzoo {command}: error: {root_cause(error, errors)}", file=sys.stderr)
+        return 2
+    except SystemExit as error:  # jsonargparse: --help, --print_config, parse errors
+        return error.code if isinstance(error.code, int) else (0 if error.code is None else 2)
+    return 0

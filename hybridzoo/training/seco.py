@@ -1,0 +1,134 @@
+"""The ``SeCO`` Lightning callback: exact chunked training steps for very long sequences.
+
+In a recipe, like any callback::
+
+    trainer:
+      callbacks:
+        - class_path: hybridzoo.training.seco.SeCO
+          init_args: {chunk_size: 4096, kv_offload: false, spaco_budget: null, check: true}
+
+The engine is :func:`~hybridzoo.training.seco_engine.seco_step` (plain PyTorch, re-exported here);
+this callback only connects it to Lightning's *automatic* optimization, so gradient accumulation,
+gradient clipping, precision plugins, LR schedulers and DDP behave as without SeCO:
+
+* ``setup`` installs the callback on the module as ``pl_module.seco``; the module's
+  ``training_step`` then returns ``pl_module.seco.training_loss(self.model, batch)`` instead of
+  the full-sequence loss (the one hook line :class:`~hybridzoo.training.module.LanguageModel`
+  needs).
+* ``training_loss`` runs the startup check once (on the first batch, in the training precision),
+  then ``seco_step(..., defer_last=True)``: stage 1 and the reverse sweep up to the last chunk
+  happen inside ``training_step`` without touching ``.grad`` (Lightning zeroes gradients between
+  ``training_step`` and ``backward``); it returns a scalar equal to the batch's loss whose
+  backward — Lightning's one ``backward`` call — completes the last chunk and adds every other
+  chunk's share. Under DDP the reducer is armed only for that backward, so gradients are
+  all-reduced once per batch (and, with ``accumulate_grad_batches``, once per optimizer step, as
+  usual).
+
+Limits: the loss is the LM loss of ``batch["labels"]`` (or ``targets``) only; fp16 with loss
+scaling works but the inner chunks' gradients are unscaled (prefer bf16); ``torch.compile`` of
+the model is not validated.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from hybridzoo.training.seco_engine import (
+    SeCOCheckError,
+    SeCOError,
+    SeCOOffloadError,
+    SeCOResult,
+    check_chunked_forward,
+    host_ram_bytes,
+    offload_bytes,
+    seco_step,
+)
+
+__all__ = ["SeCO", "seco_step", "check_chunked_forward", "SeCOResult", "SeCOError", "SeCOCheckError",
+           "SeCOOffloadError", "host_ram_bytes", "offload_bytes"]
+
+HOOK_LINE = 'loss = self.seco.training_loss(self.model, batch) if getattr(self, "seco", None) is not None else ...'
+
+
+class SeCO(Callback):
+    """Make every training step an exact SeCO step (see the module docstring).
+
+    Args:
+        chunk_size: tokens per chunk; activation memory is set by it, not by the sequence length.
+        kv_offload: keep K/V stores and chunk-boundary states in pinned host memory (refused up
+            front beyond 40% of host RAM).
+        spaco_budget: None = exact; an int t = SpaCO, an unbiased estimate that recomputes each
+            chunk with probability ``min(1, t / k)`` (see :mod:`hybridzoo.training.seco_engine`).
+        check: before the first step, verify on the actual model and batch that the chunked
+            forward equals the full forward; refuse to train (:class:`SeCOCheckError`) otherwise.
+        check_tokens: tokens the check runs on (default ``min(T, 4 · chunk_size)``).
+        check_tolerance: relative error allowed by the check (default by dtype).
+        block_size: prefix positions read per block (default ``chunk_size``).
+        seed: seed of SpaCO's chunk draws (default: the global RNG).
+    """
+
+    def __init__(self, chunk_size: int = 4096, kv_offload: bool = False, spaco_budget: int | None = None,
+                 check: bool = True, check_tokens: int | None = None, check_tolerance: float | None = None,
+                 block_size: int | None = None, seed: int | None = None):
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"SeCO: chunk_size must be an int >= 1, got {chunk_size!r}")
+        if spaco_budget is not None and (isinstance(spaco_budget, bool) or not isinstance(spaco_budget, int)
+                                         or spaco_budget < 1):
+            raise ValueError(f"SeCO: spaco_budget must be None or an int >= 1, got {spaco_budget!r}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"SeCO: block_size must be None or an int >= 1, got {block_size!r}")
+        self.chunk_size, self.kv_offload, self.spaco_budget = chunk_size, kv_offload, spaco_budget
+        self.check, self.check_tokens, self.check_tolerance = check, check_tokens, check_tolerance
+        self.block_size = block_size
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.checked = False
+        self.calls = 0
+        self.last_result: SeCOResult | None = None
+        self._calls_at_batch_start = 0
+
+    # ---- installed on the module --------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not hasattr(getattr(pl_module, "model", None), "blocks"):
+            raise SeCOError(f"SeCO: the LightningModule must hold the HybridLM as .model, "
+                            f"got {type(getattr(pl_module, 'model', None)).__name__}")
+        if not pl_module.automatic_optimization:
+            raise SeCOError("SeCO integrates with Lightning's automatic optimization; with manual "
+                            "optimization call hybridzoo.training.seco.seco_step yourself")
+        pl_module.seco = self
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if getattr(pl_module, "seco", None) is self:
+            del pl_module.seco
+
+    def training_loss(self, model, batch: dict) -> torch.Tensor:
+        """The scalar a ``training_step`` returns under SeCO: equal to the batch's mean loss;
+        its backward gives the exact (SpaCO: unbiased) gradient of the whole batch."""
+        if self.check and not self.checked:
+            check_chunked_forward(model, batch, self.chunk_size, tokens=self.check_tokens,
+                                  tolerance=self.check_tolerance, kv_offload=self.kv_offload,
+                                  block_size=self.block_size)
+            self.checked = True
+        result = seco_step(model, batch, self.chunk_size, kv_offload=self.kv_offload,
+                           spaco_budget=self.spaco_budget, generator=self.generator,
+                           defer_last=True, block_size=self.block_size)
+        self.calls += 1
+        self.last_result = result
+        return result.deferred
+
+    # ---- guards ----------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._calls_at_batch_start = self.calls
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.calls == self._calls_at_batch_start:
+            raise SeCOError(
+                f"SeCO: {type(pl_module).__name__}.training_step did not call SeCO, so this step "
+                f"was a plain full-sequence step. Make training_step use "
+                f"`{HOOK_LINE}` (LanguageModel does).")
+        if trainer.global_step != self._step_at_batch_start:
+            # the optimizer stepped: these gradients are dead (Lightning zeroes them before the
+            # next backward); freeing them now keeps SeCO's next step from setting aside a copy
+            for param in pl_module.parameters():
+                param.grad = None

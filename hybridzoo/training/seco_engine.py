@@ -1,0 +1,542 @@
+"""SeCO: exact chunked training of a HybridLM on sequences longer than memory allows.
+
+``seco_step(model, batch, chunk_size)`` gives the same gradients as
+``model(ids, labels=labels)[2].backward()`` while keeping only one chunk's activations alive
+(Li et al., arXiv:2505.16710; seed 001). Plain function, no Lightning; the
+:class:`~hybridzoo.training.seco.SeCO` callback wraps it.
+
+**Stage 1** (no grad): run the chunks in order with carried states. Every full-attention layer
+writes its K/V into one store for the whole sequence (a :class:`BlockKVState`); every other layer
+(recurrent states + conv tails, sliding-window K/V) has a bounded *Markov* state, saved at each
+chunk boundary. Each chunk's RNG state is saved too.
+
+**Stage 2** (reverse sweep, chunk k-1 down to 0): recompute chunk j with grad from its saved
+states and RNG state, then one ``torch.autograd.backward`` of
+
+    loss_j  +  Σ_markov <state_out_j, g_j>  +  Σ_full-attn <K/V_j, dKV[:, chunk j]>
+
+* Markov layers: chunk j's incoming state is a fresh leaf; ``g_j`` is the gradient the leaf of
+  chunk j+1 received, i.e. what later chunks sent into chunk j's outgoing state.
+* Full attention: chunk j reads its prefix from the store block by block (never copied) and
+  merges it with its own causal part by log-sum-exp; the backward adds the prefix's K/V gradients
+  in place into one gradient buffer per layer (``dKV``). Chunk j's own K/V then receive
+  ``dKV[:, chunk j]``, complete because every later chunk has already run.
+
+The loss is the mean over the valid targets of the whole batch: labels are shifted over the whole
+sequence first, each chunk's summed cross-entropy is divided by the global count, so the chunk
+losses add up to the full loss. Only the loss of one chunk's logits exists at a time.
+
+**SpaCO** (``spaco_budget=t``): an unbiased stochastic estimate. Each of the k chunks is
+recomputed independently with probability ``p = min(1, t / k)``; a recomputed chunk's loss *and*
+every gradient relayed into it are scaled by ``1/p``. A gradient path from the loss of chunk a
+through chunks a > c_1 > … > c_m then survives with probability ``p^(m+1)`` and is weighted
+``p^-(m+1)``, so every path — hence the gradient — is exact in expectation. (Scaling only the
+relayed gradients, as the paper's pseudocode does, shrinks the expectation.) The variance
+trade-off: stage 2 costs about ``p`` of SeCO's, but a path through m+1 chunks carries a variance
+factor ``p^-(m+1) − 1`` that grows exponentially with its length, so long-range credit assignment
+(the reason to train long) gets the noisiest; ``p = 1/2`` already weighs a path through 10 chunks
+by 1024 when it survives. Use SpaCO only when backward compute, not memory, is the bottleneck,
+with p close to 1.
+
+**kv_offload**: K/V stores and saved boundary states live in pinned host memory and are streamed
+to the device block by block; only the gradient buffers stay resident. Refused up front when it
+would pin more than 40% of host RAM.
+
+**DDP**: pass ``no_sync=ddp_model.no_sync`` and the DDP-wrapped model: every chunk but the last
+recomputed one runs (forward and backward) inside ``no_sync()``, so gradients are all-reduced once.
+With ``defer_last=True`` (what Lightning's automatic optimization needs) nothing is written to
+``.grad``: the returned ``deferred`` scalar's one backward produces this batch's whole gradient.
+
+**Startup check**: :func:`check_chunked_forward` compares, on the actual model, the chunked
+forward with carried states against one full forward, block by block, and raises
+:class:`SeCOCheckError` naming the first block that differs. SeCO's exactness rests on that
+equality and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater
+from hybridzoo.layers.state import MixerState
+from hybridzoo.utils import rel_err
+
+OFFLOAD_RAM_FRACTION = 0.4  # at most this share of host RAM may be pinned for kv_offload
+CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+
+
+class SeCOError(RuntimeError):
+    """SeCO cannot train this model / batch as asked."""
+
+
+class SeCOCheckError(SeCOError):
+    """The model's chunked forward with carried states differs from its full forward."""
+
+
+class SeCOOffloadError(SeCOError):
+    """kv_offload would pin too much host memory."""
+
+
+@dataclass
+class SeCOResult:
+    """What :func:`seco_step` returns.
+
+    Attributes:
+        loss: the batch's mean loss (a detached scalar, float32 or wider), from stage 1: the exact
+            loss also under SpaCO.
+        num_chunks: number of chunks k.
+        selected: per chunk, whether stage 2 recomputed it (all True without SpaCO).
+        deferred: with ``defer_last=True``, a scalar equal to ``loss`` whose backward adds this
+            batch's gradient (every chunk's) to ``.grad``; else None.
+    """
+
+    loss: torch.Tensor
+    num_chunks: int
+    selected: list[bool]
+    deferred: torch.Tensor | None = None
+
+
+# ---- the model's layers ---------------------------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HybridLM inside a DDP (or similar ``.module``) wrapper."""
+    while not hasattr(model, "blocks") and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    if not hasattr(model, "blocks"):
+        raise SeCOError(f"SeCO needs a HybridLM (a model with .blocks), got {type(model).__name__}")
+    return model
+
+
+def _is_full_attention(block: nn.Module) -> bool:
+    return isinstance(block.mixer, Attention) and block.mixer.config.window is None
+
+
+def _activation_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model.embed.weight.dtype if hasattr(model, "embed") else next(model.parameters()).dtype
+
+
+# ---- inputs and loss --------------------------------------------------------------------------
+def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``(input_ids, inputs_embeds, targets)`` with targets aligned to the logits."""
+    if not isinstance(batch, dict):
+        raise SeCOError(f"SeCO: batch must be a dict with input_ids (or inputs_embeds) and labels "
+                        f"(or targets), got {type(batch).__name__}")
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        raise SeCOError("SeCO: the batch must hold exactly one of input_ids and inputs_embeds")
+    labels, targets = batch.get("labels"), batch.get("targets")
+    if (labels is None) == (targets is None):
+        raise SeCOError("SeCO: the batch must hold exactly one of labels (shifted inside, as in "
+                        "Hugging Face) and targets (aligned with the logits)")
+    if labels is not None:  # shift over the WHOLE sequence before chunking
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    shape = (ids if ids is not None else embeds).shape[:2]
+    if targets.shape != shape:
+        raise SeCOError(f"SeCO: labels/targets must be [B, T] = {list(shape)}, got {list(targets.shape)}")
+    return ids, embeds, targets
+
+
+def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over targets != -100 (float32 or wider)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _chunks(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise SeCOError(f"SeCO: chunk_size must be an int >= 1, got {chunk_size!r}")
+    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
+
+
+# ---- RNG replay -------------------------------------------------------------------------------
+def _get_rng(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng(device: torch.device, states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+# ---- host memory (kv_offload) -------------------------------------------------------------------
+def host_ram_bytes() -> int:
+    """Physical RAM of this host, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def offload_bytes(model: nn.Module, batch_size: int, length: int, num_chunks: int,
+                  dtype: torch.dtype) -> int:
+    """Host bytes kv_offload pins: the K/V stores of full-attention layers plus every other
+    layer's state at each of the ``num_chunks - 1`` inner chunk boundaries."""
+    total = 0
+    for block in _unwrap(model).blocks:
+        mixer = block.mixer
+        if _is_full_attention(block):
+            total += 2 * batch_size * length * mixer.n_kv_heads * mixer.head_dim * dtype.itemsize
+            continue
+        keep = getattr(mixer, "keep", None) or 0  # a sliding window keeps window - 1 positions
+        for shape, field_dtype in mixer.expected_state(batch_size, dtype).values():
+            numel = math.prod(keep if size == -1 else size for size in shape)
+            total += (num_chunks - 1) * numel * field_dtype.itemsize
+    return total
+
+
+def _check_offload(model: nn.Module, batch_size: int, length: int, num_chunks: int,
+                   dtype: torch.dtype) -> None:
+    needed = offload_bytes(model, batch_size, length, num_chunks, dtype)
+    ram = host_ram_bytes()
+    if needed > OFFLOAD_RAM_FRACTION * ram:
+        raise SeCOOffloadError(
+            f"SeCO kv_offload would pin {needed / 2**30:.2f} GiB of host memory (K/V stores and "
+            f"chunk-boundary states for batch {batch_size} x {length} tokens), more than "
+            f"{OFFLOAD_RAM_FRACTION:.0%} of this host's {ram / 2**30:.1f} GiB of RAM; pinned memory "
+            f"cannot be swapped out. Use a shorter sequence or smaller batch, or kv_offload=False.")
+
+
+# ---- the per-layer states --------------------------------------------------------------------
+class _Layers:
+    """Which state each block carries in SeCO, and how to save / restore / relay it."""
+
+    def __init__(self, model: nn.Module, length: int, block_size: int, offload: bool,
+                 device: torch.device):
+        self.blocks = list(_unwrap(model).blocks)
+        self.full = [_is_full_attention(block) for block in self.blocks]
+        self.length, self.block_size, self.device = length, block_size, device
+        self.host = torch.device("cpu") if offload else None
+        self.pin = offload and torch.cuda.is_available()
+
+    def initial(self) -> list[MixerState | None]:
+        """States before chunk 0 of stage 1: empty stores for full attention, None elsewhere."""
+        return [BlockKVState(kind="attn", capacity=self.length, block_size=self.block_size,
+                             store_device=self.host, pin_memory=self.pin) if full else None
+                for full in self.full]
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.host is None:
+            return tensor.detach().clone()
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=self.pin)
+        return out.copy_(tensor, non_blocking=self.pin)
+
+    def save(self, states: list) -> list:
+        """Copies of the Markov states (compact; on the host with offload); None for full attention."""
+        saved = []
+        for full, state in zip(self.full, states):
+            if full or state is None:
+                saved.append(None)
+            elif isinstance(state, KVState):  # sliding window: keep only the valid positions
+                saved.append(KVState(kind=state.kind, k_buf=self._copy(state.k), v_buf=self._copy(state.v),
+                                     start=0, length=state.length, offset=state.offset,
+                                     high_water=_HighWater(state.length)))
+            else:
+                saved.append(state.map(self._copy))
+        return saved
+
+    def leaves(self, saved: list) -> tuple[list, list[dict[str, torch.Tensor]]]:
+        """Stage-2 incoming Markov states whose tensors are fresh leaves requiring grad."""
+        states, leaves = [], []
+        for state in saved:
+            layer_leaves = {}
+            if state is not None:
+                for name, tensor in state.tensors().items():
+                    leaf = tensor.to(self.device, non_blocking=True).detach()
+                    if leaf.is_floating_point():
+                        layer_leaves[name] = leaf.requires_grad_()
+                state = dataclasses.replace(state, **layer_leaves) if layer_leaves else state
+            states.append(state)
+            leaves.append(layer_leaves)
+        return states, leaves
+
+
+# ---- stage 1 ------------------------------------------------------------------------------
+def _call(model, ids, embeds, start, end, states):
+    if ids is not None:
+        return model(input_ids=ids[:, start:end], state=states)
+    return model(inputs_embeds=embeds[:, start:end], state=states)
+
+
+def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds, on_chunk=None):
+    """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
+    RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j."""
+    states = layers.initial()
+    saved, rngs, total = [], [], None
+    device = layers.device
+    for j, (start, end) in enumerate(bounds):
+        rngs.append(_get_rng(device))
+        saved.append(layers.save(states) if j > 0 else [None] * len(states))
+        logits, states = _call(model, ids, embeds, start, end, states)
+        if on_chunk is not None:
+            on_chunk(logits)
+        if targets is not None:
+            chunk_loss = _loss_sum(logits, targets[:, start:end])
+            total = chunk_loss if total is None else total + chunk_loss
+        states = [dataclasses.replace(s, own_k=None, own_v=None) if isinstance(s, BlockKVState) else s
+                  for s in states]
+    return total, states, saved, rngs
+
+
+# ---- the step -----------------------------------------------------------------------------
+def seco_step(
+    model: nn.Module,
+    batch: dict,
+    chunk_size: int,
+    *,
+    kv_offload: bool = False,
+    spaco_budget: int | None = None,
+    selection: Sequence[bool] | None = None,
+    generator: torch.Generator | None = None,
+    no_sync: Callable[[], ContextManager] | None = None,
+    defer_last: bool = False,
+    block_size: int | None = None,
+) -> SeCOResult:
+    """One exact chunked forward + backward of a causal LM loss (see the module docstring).
+
+    Args:
+        model: a :class:`~hybridzoo.zoo.HybridLM` (or subclass, or a DDP wrapper of one), called
+            as ``model(input_ids=..., state=...)`` / ``model(inputs_embeds=..., state=...)`` ->
+            ``(logits, state)``.
+        batch: ``{"input_ids" [B, T] int | "inputs_embeds" [B, T, d_model], "labels" [B, T]
+            (shifted inside, -100 ignored) | "targets" [B, T] (aligned)}``. A grad-requiring
+            ``inputs_embeds`` gets its gradient (leaf: in ``.grad``; else backpropagated further).
+        chunk_size: tokens per chunk (the last chunk may be shorter).
+        kv_offload: keep K/V stores and boundary states in (pinned) host memory.
+        spaco_budget: None = exact SeCO; an int t >= 1 = SpaCO, recompute each chunk with
+            probability ``p = min(1, t / k)`` (t chunks in expectation).
+        selection: SpaCO only: which chunks to recompute (k bools) instead of drawing them.
+        generator: SpaCO only: the torch.Generator of the draws (default: the global one).
+        no_sync: e.g. ``ddp_model.no_sync``: all chunks but the last recomputed one run inside it.
+        defer_last: leave ``.grad`` untouched and return ``deferred`` (see :class:`SeCOResult`).
+        block_size: prefix positions read per block (default ``chunk_size``).
+
+    Returns:
+        :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``
+        like ``loss.backward()`` would.
+    """
+    inner = _unwrap(model)
+    ids, embeds, targets = _inputs(batch)
+    batch_size, length = targets.shape
+    bounds = _chunks(length, chunk_size)
+    k = len(bounds)
+    device = next(inner.parameters()).device
+    block_size = block_size or chunk_size
+    if kv_offload:
+        _check_offload(inner, batch_size, length, k, _activation_dtype(inner, device))
+    count = (targets != -100).sum().clamp(min=1)  # the global denominator of the mean
+    layers = _Layers(inner, length, block_size, kv_offload, device)
+
+    # ---- stage 1: no-grad pass building the K/V stores and the boundary states ----------
+    with torch.no_grad():
+        total, final_states, saved, rngs = _forward_chunks(
+            model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds)
+    loss = (total / count).detach()
+    stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
+              if isinstance(state, BlockKVState)}
+    del final_states
+
+    weights = _select(k, spaco_budget, selection, generator)
+    order = [j for j in reversed(range(k)) if weights[j] > 0]
+    if not order and no_sync is not None:  # every DDP rank must join the one gradient sync
+        order, weights = [0], [0.0] * k
+    end_rng = _get_rng(device)
+
+    params = [p for p in inner.parameters() if p.requires_grad]
+    prior = {}
+    if defer_last:  # keep .grad untouched: set aside what is there, give it back at the end
+        prior = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+    embeds_leaf = None
+    if embeds is not None and embeds.requires_grad:
+        embeds_leaf = embeds.detach().requires_grad_()  # every chunk but the last recomputed one
+    kv_grads = {i: tuple(torch.zeros(store.shape, dtype=torch.promote_types(store.dtype, torch.float32),
+                                     device=device) for store in pair)
+                for i, pair in stores.items()} if len(order) > 1 else {}
+
+    # ---- stage 2: reverse sweep, one chunk's graph at a time -----------------------------
+    relay: dict[int, dict[str, torch.Tensor]] = {}  # Markov state grads from chunk j+1
+    relay_from = None
+    deferred = None
+    try:
+        with torch.enable_grad():
+            for n, j in enumerate(order):
+                start, end = bounds[j]
+                last = n == len(order) - 1
+                weight = weights[j]
+                if relay_from != j + 1:
+                    relay = {}  # chunk j+1 was skipped (SpaCO): nothing reaches chunk j's state
+                _set_rng(device, rngs[j])
+                sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+                with sync:
+                    states, leaves = layers.leaves(saved[j])
+                    for i, (key, value) in stores.items():
+                        grad_k, grad_v = kv_grads.get(i, (None, None))
+                        states[i] = BlockKVState(kind="attn", k_buf=key, v_buf=value, capacity=length,
+                                                 length=start, offset=start, block_size=block_size,
+                                                 read_only=True, k_grad=grad_k, v_grad=grad_v)
+                    x = embeds
+                    if embeds_leaf is not None and not last:
+                        x = embeds_leaf
+                    logits, out_states = _call(model, ids, x, start, end, states)
+                    chunk_loss = _loss_sum(logits, targets[:, start:end]) / count
+                    del logits
+                    tensors, grads = [chunk_loss], [torch.full_like(chunk_loss, weight)]
+                    for i, state in enumerate(out_states):
+                        for name, tensor, grad in _relayed(i, state, relay, kv_grads, start, end, j < k - 1):
+                            if tensor.requires_grad and grad is not None and tensor.numel():
+                                tensors.append(tensor)
+                                grads.append(grad.to(tensor.dtype) * weight if weight != 1 else grad.to(tensor.dtype))
+                    if last and embeds_leaf is not None and embeds_leaf.grad is not None:
+                        tensors.append(embeds)  # the other chunks' share of d(inputs_embeds)
+                        grads.append(embeds_leaf.grad)
+                    del out_states, states
+                    if last and defer_last:
+                        deferred = _deferred(tensors, grads, params, loss)
+                        break
+                    pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                    del tensors, grads, pairs
+                relay = {i: {name: leaf.grad for name, leaf in layer.items() if leaf.grad is not None}
+                         for i, layer in enumerate(leaves) if layer}
+                relay_from = j
+                del leaves
+            if defer_last and deferred is None:  # SpaCO selected nothing
+                deferred = _deferred([], [], params, loss)
+    finally:
+        _set_rng(device, end_rng)
+        if defer_last:
+            for p in params:
+                p.grad = prior[p]
+    return SeCOResult(loss=loss, num_chunks=k, selected=[w > 0 for w in weights], deferred=deferred)
+
+
+def _relayed(i, state, relay, kv_grads, start, end, has_later):
+    """``(name, tensor, incoming grad)`` for the outputs of chunk j that later chunks used."""
+    if isinstance(state, BlockKVState):
+        if has_later and i in kv_grads and state.own_k is not None:
+            grad_k, grad_v = kv_grads[i]
+            yield "own_k", state.own_k, grad_k[:, start:end]
+            yield "own_v", state.own_v, grad_v[:, start:end]
+        return
+    if state is None or i not in relay:
+        return
+    for name, tensor in state.tensors().items():
+        grad = relay[i].get(name)
+        if grad is not None and grad.shape != tensor.shape:
+            raise SeCOError(f"SeCO: block {i} ({state.kind}): the state field {name!r} has shape "
+                            f"{tuple(tensor.shape)} after a chunk but {tuple(grad.shape)} when saved")
+        yield name, tensor, grad
+
+
+def _deferred(tensors, grads, params, loss) -> torch.Tensor:
+    """A scalar equal to ``loss`` whose backward = backward(tensors, grads) + the gradient already
+    accumulated in ``.grad`` (moved out of it), touching every parameter once (one DDP sync)."""
+    parts = [(t * g).sum() for t, g in zip(tensors, grads) if t.requires_grad]
+    for p in params:
+        stash, p.grad = p.grad, None
+        parts.append((p * stash).sum() if stash is not None else p.sum() * 0.0)
+    if not parts:
+        return loss
+    surrogate = torch.stack([part.to(loss.dtype) for part in parts]).sum()
+    return surrogate - surrogate.detach() + loss
+
+
+def _select(k: int, spaco_budget: int | None, selection: Sequence[bool] | None,
+            generator: torch.Generator | None) -> list[float]:
+    """Per chunk: its weight 1/p if recomputed, 0 if skipped (all 1 without SpaCO)."""
+    if spaco_budget is None:
+        if selection is not None:
+            raise SeCOError("SeCO: selection is a SpaCO option; give spaco_budget too")
+        return [1.0] * k
+    if isinstance(spaco_budget, bool) or not isinstance(spaco_budget, int) or spaco_budget < 1:
+        raise SeCOError(f"SeCO: spaco_budget must be None or an int >= 1 (chunks recomputed per "
+                        f"sequence, in expectation), got {spaco_budget!r}")
+    p = min(1.0, spaco_budget / k)
+    if selection is None:
+        selection = (torch.rand(k, generator=generator) < p).tolist()
+    if len(selection) != k:
+        raise SeCOError(f"SeCO: selection must have one entry per chunk ({k}), got {len(selection)}")
+    return [1.0 / p if chosen else 0.0 for chosen in selection]
+
+
+# ---- the startup check --------------------------------------------------------------------------
+def check_chunked_forward(
+    model: nn.Module,
+    batch: dict,
+    chunk_size: int,
+    *,
+    tokens: int | None = None,
+    tolerance: float | None = None,
+    kv_offload: bool = False,
+    block_size: int | None = None,
+) -> list[float]:
+    """Check that the chunked forward with carried states equals one full forward.
+
+    Runs, without grad, in eval mode (no dropout) and without touching the RNG, on the first
+    ``tokens`` positions of the batch (default ``min(T, 4 · chunk_size)``): one full forward, then
+    SeCO's chunked stage-1 forward (K/V stores, carried states). Compares every block's output
+    and the logits.
+
+    Returns:
+        The relative error of each block's output, then of the logits.
+
+    Raises:
+        SeCOCheckError: naming the first block (index and mixer kind) whose output differs by more
+            than ``tolerance`` (default by dtype: float64 1e-10, float32 1e-4, 16-bit 3e-2; under
+            autocast, the autocast dtype's).
+    """
+    inner = _unwrap(model)
+    ids, embeds, _ = _inputs(batch)
+    source = ids if ids is not None else embeds.detach()
+    tokens = min(source.shape[1], tokens or 4 * chunk_size)
+    source = source[:, :tokens]
+    ids, embeds = (source, None) if ids is not None else (None, source)
+    device = next(inner.parameters()).device
+    dtype = _activation_dtype(inner, device)
+    tolerance = CHECK_TOLERANCE.get(dtype, 1e-4) if tolerance is None else tolerance
+
+    outputs: list[list[torch.Tensor]] = [[] for _ in inner.blocks]
+    hooks = [block.register_forward_hook(lambda module, args, out, i=i: outputs[i].append(out[0].detach()))
+             for i, block in enumerate(inner.blocks)]
+    training = {module: module.training for module in inner.modules()}
+    devices = [device] if device.type == "cuda" else []
+    try:
+        inner.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            full_logits, _ = _call(model, ids, embeds, 0, tokens, None)
+            full = [out.pop() for out in outputs]
+            chunk_logits = []
+            layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
+            _forward_chunks(model, layers, ids, embeds, None, _chunks(tokens, chunk_size),
+                            on_chunk=chunk_logits.append)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, mode in training.items():
+            module.train(mode)
+    errors = [rel_err(torch.cat(out, dim=1), ref) for out, ref in zip(outputs, full)]
+    errors.append(rel_err(torch.cat(chunk_logits, dim=1), full_logits))
+    for i, error in enumerate(errors):
+        if not error <= tolerance:  # NaN fails too
+            where = (f"block {i} ({inner.blocks[i].kind}, {type(inner.blocks[i].mixer).__name__})"
+                     if i < len(inner.blocks) else "the logits (after every block matched)")
+            raise SeCOCheckError(
+                f"SeCO refuses to train: {where} differs between one full forward and the chunked "
+                f"forward with carried states (relative error {error:.3g} > {tolerance:g} for "
+                f"{str(dtype).removeprefix('torch.')}, {tokens} tokens in chunks of {chunk_size}). "
+                f"SeCO's gradient would not be this model's gradient; fix that layer's state "
+                f"handling, or train without SeCO.")
+    return errors

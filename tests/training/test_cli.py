@@ -1,0 +1,264 @@
+"""``hybridzoo fit / eval / generate / recipes``: the CLI end to end on a tiny model, and bad
+input that must end in one clear error line, exit status 2, and no file clobbered."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from hybridzoo import HybridLM
+from hybridzoo.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY_MODEL = {
+    "config": {
+        "d_model": 16, "n_layers": 2, "layers": "gdn attn", "d_mlp": 32,
+        "gdn": {"num_k_heads": 2, "num_v_heads": 2, "head_k_dim": 8, "head_v_dim": 8, "chunk_size": 8},
+        "attn": {"n_heads": 2, "window": 8},
+    },
+    "learning_rate": 1e-2,
+    "warmup_steps": 2,
+}
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def write_corpus(path: Path, n_docs: int = 40) -> Path:
+    """A jsonl corpus of ``n_docs`` short, varied documents (about 150 bytes each)."""
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i % 7}  # document {i}\n" * 3})
+             for i in range(n_docs)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_recipe(directory: Path, root: Path, corpus: Path, max_steps: int = 4, seq_len: int = 16,
+                 model: dict | None = None, callbacks: list | None = None, **trainer) -> Path:
+    """A complete recipe for a tiny byte-level run on ``corpus`` writing under ``root``."""
+    recipe = {
+        "model": model or TINY_MODEL,
+        "data": {"class_path": "hybridzoo.training.data.TextDataModule",
+                 "init_args": {"paths": [str(corpus)], "seq_len": seq_len, "batch_size": 4, "val_fraction": 0.25}},
+        "trainer": {"default_root_dir": str(root), "max_steps": max_steps, "accelerator": "cpu",
+                    "log_every_n_steps": 1, "limit_val_batches": 2, "num_sanity_val_steps": -1,
+                    "callbacks": callbacks if callbacks is not None else [
+                        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                         "init_args": {"save_last": True}}],
+                    **trainer},
+    }
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def run_cli(args, capsys):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(directory: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short fit: 4 steps, a validation and checkpoint at step 2 and 4, the export."""
+    tmp = tmp_path_factory.mktemp("fit")
+    corpus = write_corpus(tmp / "corpus.jsonl")
+    recipe = write_recipe(tmp, tmp / "run", corpus, max_steps=4, val_check_interval=2)
+    code = main(["fit", "--config", str(recipe), *QUIET])
+    assert code == 0
+    return tmp
+
+
+def test_fit_exports_a_loadable_model(trained):
+    export = trained / "run" / "export"
+    assert {"model.safetensors", "config.json", "training.json"} <= {p.name for p in export.iterdir()}
+    model = HybridLM.from_pretrained(export)
+    assert model.config.vocab_size == 256 and model.config.d_model == 16  # linked from the data
+    # the export holds the final weights: those of the last Lightning checkpoint (step 4)
+    ckpt = torch.load(next((trained / "run").rglob("last.ckpt")), map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 4
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ckpt["state_dict"]["model." + name]), name
+    info = json.loads((export / "training.json").read_text())
+    assert info["data"]["class_path"].endswith("TextDataModule") and info["global_step"] == 4
+    assert [h["step"] for h in info["val_history"]] == [0, 2, 4]
+
+
+def test_eval_matches_an_independent_cross_entropy(trained, capsys):
+    export = trained / "run" / "export"
+    code, out, err = run_cli(["eval", export, "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    # independent: the held-out rows straight from the data module, one cross-entropy over all
+    from hybridzoo.training.data import TextDataModule
+
+    data = TextDataModule(paths=[str(trained / "corpus.jsonl")], seq_len=16, batch_size=4, val_fraction=0.25)
+    data.setup("validate")
+    rows = torch.stack([data._val_set[i]["input_ids"] for i in range(len(data._val_set))])
+    model = HybridLM.from_pretrained(export)
+    with torch.no_grad():
+        logits = model(rows)[0]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), rows[:, 1:].reshape(-1)).item()
+    assert result["loss"] == pytest.approx(loss, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+    assert result["bits_per_byte"] == pytest.approx(loss / math.log(2), rel=1e-5)
+    assert result["tokens"] == rows[:, 1:].numel() and result["tokens_per_s"] > 0
+    code, out, _ = run_cli(["eval", export], capsys)  # the table form
+    assert code == 0 and "bits_per_byte" in out
+    # --data: other files, the same tokenizer and row length (held-out documents of that file)
+    other = write_corpus(trained / "other.jsonl", n_docs=8)
+    code, out, err = run_cli(["eval", export, "--data", other, "--json"], capsys)
+    assert code == 0, err
+    other_data = TextDataModule(paths=[str(other)], seq_len=16, val_fraction=0.25)
+    other_data.setup("validate")
+    assert json.loads(out)["tokens"] == len(other_data._val_set) * 15
+
+
+def test_generate_greedy_is_the_model_generate(trained, capsys):
+    export = trained / "run" / "export"
+    code, out, err = run_cli(["generate", export, "--prompt", "def f", "--max-new-tokens", "12",
+                              "--temperature", "0", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    model = HybridLM.from_pretrained(export)
+    ids = model.generate(torch.tensor([list(b"def f")]), max_new_tokens=12)[0, 5:].tolist()
+    assert result["new_tokens"] == 12
+    assert result["completion"] == bytes(ids).decode("utf-8", errors="replace")
+    code, out, _ = run_cli(["generate", export, "--prompt", "def f", "--max-new-tokens", "5"], capsys)
+    assert code == 0 and out.startswith("def f")
+
+
+def test_mqar_fit_eval_reports_recall_accuracy(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tmp_path / "run", write_corpus(tmp_path / "c.jsonl"), max_steps=2)
+    data = ["--data", "hybridzoo.training.data.MQARDataModule", "--data.vocab_size", "64", "--data.seq_len", "32",
+            "--data.num_pairs", "4", "--data.num_train", "32", "--data.num_val", "16", "--data.batch_size", "8"]
+    code, _, err = run_cli(["fit", "--config", recipe, *data, *QUIET], capsys)
+    assert code == 0, err
+    export = tmp_path / "run" / "export"
+    assert HybridLM.from_pretrained(export).config.vocab_size == 64  # linked from the data module
+    code, out, err = run_cli(["eval", export, "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["data"] == "MQARDataModule" and "bits_per_byte" not in result
+    assert result["tokens"] == 16 * 4  # loss and accuracy only at the 4 query answers of 16 examples
+    assert 0 <= result["mqar_accuracy"] == result["accuracy"] <= 1
+    code, _, err = run_cli(["generate", export, "--prompt", "1 2 3"], capsys)
+    assert code == 2 and "MQAR" in err
+
+
+def test_print_config_overrides_and_defaults(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tmp_path / "run", write_corpus(tmp_path / "c.jsonl"))
+    code, out, _ = run_cli(["fit", "--config", recipe, "--trainer.max_steps", "7",
+                            "--model.config.d_model", "24", "--print_config"], capsys)
+    assert code == 0
+    config = yaml.safe_load(out)
+    assert config["trainer"]["max_steps"] == 7 and config["model"]["config"]["d_model"] == 24
+    assert config["model"]["config"]["layers"] == "gdn attn"
+    assert config["trainer"]["precision"] == ("bf16-mixed" if torch.cuda.is_available() else "32-true")
+    assert config["trainer"]["gradient_clip_val"] == 1.0
+    assert config["data"]["init_args"]["seq_len"] == 16
+    assert not (tmp_path / "run").exists()  # printing writes nothing
+
+
+def test_recipe_name_path_and_several_configs(tmp_path, capsys):
+    from hybridzoo.zoo.recipes import recipe_path
+
+    by_name = run_cli(["fit", "--config", "tiny-hybrid", "--print_config"], capsys)
+    by_path = run_cli(["fit", "--config", recipe_path("tiny-hybrid"), "--print_config"], capsys)
+    assert by_name[0] == by_path[0] == 0 and by_name[1] == by_path[1]
+    config = yaml.safe_load(by_name[1])
+    assert config["model"]["config"]["layers"] == "gdn mamba2 attn"
+    assert config["data"]["class_path"].endswith("TextDataModule")
+    assert config["trainer"]["default_root_dir"] == "runs/tiny-hybrid"
+    # a second --config overrides the first; dotted options override both
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("trainer:\n  max_steps: 11\n  default_root_dir: elsewhere\n")
+    code, out, _ = run_cli(["fit", "--config", "tiny-hybrid", "--config", extra,
+                            "--trainer.default_root_dir", tmp_path, "--print_config"], capsys)
+    config = yaml.safe_load(out)
+    assert code == 0 and config["trainer"]["max_steps"] == 11
+    assert config["trainer"]["default_root_dir"] == str(tmp_path)
+    assert config["model"]["config"]["d_model"] == 64  # still the packaged recipe's model
+
+
+# ---- bad input: a clear message, exit status 2, nothing clobbered -------------------------------
+@pytest.fixture
+def previous_run(tmp_path):
+    """A run directory holding a previous export that a failing command must leave untouched."""
+    root = tmp_path / "run"
+    (root / "export").mkdir(parents=True)
+    (root / "export" / "model.safetensors").write_bytes(b"previous weights")
+    (root / "export" / "config.json").write_text('{"previous": true}')
+    return root
+
+
+@pytest.mark.parametrize("case", ["missing path", "empty file", "seq_len too long", "unknown key",
+                                  "unknown mixer", "unknown recipe"])
+def test_bad_fit_input_is_a_clear_error(case, tmp_path, previous_run, capsys):
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    model = json.loads(json.dumps(TINY_MODEL))
+    if case == "unknown key":
+        model["config"]["gdn"]["bogus"] = 3
+    elif case == "unknown mixer":
+        model["config"]["layers"] = "gdn lstm"
+    recipe = write_recipe(tmp_path, previous_run, corpus, model=model)
+    args = ["fit", "--config", recipe, *QUIET]
+    expected = {
+        "missing path": "does not exist", "empty file": "holds no text", "seq_len too long": "seq_len",
+        "unknown key": "bogus", "unknown mixer": "unknown mixer kind", "unknown recipe": "no-such-recipe",
+    }[case]
+    if case == "missing path":
+        args += ["--data.init_args.paths", f"[{tmp_path / 'nowhere.txt'}]"]
+    elif case == "empty file":
+        (tmp_path / "empty.txt").write_text("")
+        args += ["--data.init_args.paths", f"[{tmp_path / 'empty.txt'}]"]
+    elif case == "seq_len too long":
+        args += ["--data.init_args.seq_len", "100000"]
+    elif case == "unknown recipe":
+        args = ["fit", "--config", "no-such-recipe"]
+    before = snapshot(previous_run)
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    assert expected in err and "Traceback" not in err + out and "Union" not in err
+    after = snapshot(previous_run)
+    assert {p: b for p, b in after.items() if p in before} == before  # nothing overwritten
+    assert not any(p.suffix in (".ckpt", ".safetensors") for p in set(after) - set(before))
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_need_a_model(command, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("no model here")
+    before = snapshot(tmp_path)
+    args = [command, tmp_path] + (["--prompt", "x"] if command == "generate" else [])
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and "model.safetensors" in err and "config.json" in err
+    assert "Traceback" not in err + out
+    assert snapshot(tmp_path) == before
+    code, _, err = run_cli([command, tmp_path / "missing"] + args[2:], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_console_script_help_and_recipes():
+    """The installed entry point: top-level help lists every command; recipes prints a table."""
+    run = subprocess.run([sys.executable, "-m", "hybridzoo.cli", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert run.returncode == 0
+    for command in ("fit", "validate", "test", "eval", "generate", "recipes", "convert", "demo"):
+        assert command in run.stdout
+
+
+def test_recipes_and_convert(capsys):
+    pytest.importorskip("hybridzoo.zoo.convert")
+    code, out, err = run_cli(["recipes"], capsys)
+    assert code == 0, err
+    assert "tiny-hybrid" in out and "361,720" in out
+    code, _, err = run_cli(["convert", "/nonexistent/src", "/nonexistent/out"], capsys)
+    assert code == 2 and "error" in err
