@@ -22,6 +22,7 @@ import torch
 from hybridzoo.kernels._dispatch import BACKENDS, BackendUnavailable
 from hybridzoo.kernels._dispatch import resolve as _resolve
 from hybridzoo.kernels.reference import (
+    attention_step,
     causal_conv1d_step,
     delta_rule_step,
     linear_attn_step,
@@ -38,6 +39,7 @@ __all__ = [
     "attention",
     "merge_attention",
     "causal_conv1d",
+    "attention_step",
     "linear_attn_step",
     "delta_rule_step",
     "selective_scan_step",

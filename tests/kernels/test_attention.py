@@ -212,3 +212,22 @@ def test_bad_arguments():
         attention(q, k, v, window=0)
     with pytest.raises(ValueError, match="merge_attention"):
         merge_attention(q, q[..., 0], q[:, :3], q[..., 0])
+
+
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_attention_step_decodes_like_the_full_call(window):
+    from hybridzoo.kernels import attention_step
+    from hybridzoo.kernels.reference import attention_loop
+
+    torch.manual_seed(3)
+    B, T, Hq, Hk, D = 2, 11, 4, 2, 8
+    q = torch.randn(B, T, Hq, D, dtype=torch.float64)
+    k, v = torch.randn(B, T, Hk, D, dtype=torch.float64), torch.randn(B, T, Hk, D, dtype=torch.float64)
+    ref, _ = attention_loop(q, k, v, window=window)
+    cache, outs = None, []
+    for t in range(T):
+        out, cache = attention_step(q[:, t], k[:, t], v[:, t], cache, window=window)
+        outs.append(out)
+        if window is not None:
+            assert cache[0].shape[1] <= window - 1  # bounded: only what a later query can see
+    assert rel_err(torch.stack(outs, 1), ref) <= 1e-10

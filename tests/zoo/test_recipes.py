@@ -54,7 +54,7 @@ def test_recipe_builds_on_meta_with_the_size_in_its_name(name):
         total -= config.vocab_size * config.d_model
     assert count_parameters(config) == total
     nominal = nominal_parameters(name)
-    if name == "tiny-hybrid":
+    if name == "tiny-hybrid" or name.startswith("mqar-"):  # task recipes: sized for the task, not named by size
         assert nominal is None
     else:
         assert nominal is not None, f"{name}: no size in the name"

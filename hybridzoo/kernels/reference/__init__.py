@@ -4,7 +4,7 @@ Each file holds one op family: the step loop (ground truth), the single-token st
 decoding, and the fast-but-plain forms (scans, chunkwise) that are tested against the loop.
 """
 
-from hybridzoo.kernels.reference.attention import attention, attention_loop, merge_attention
+from hybridzoo.kernels.reference.attention import attention, attention_loop, attention_step, merge_attention
 from hybridzoo.kernels.reference.conv import causal_conv1d, causal_conv1d_loop, causal_conv1d_step
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule, delta_rule_loop, delta_rule_step
 from hybridzoo.kernels.reference.linear_attn import (
@@ -26,6 +26,7 @@ __all__ = [
     "OPS",
     "attention",
     "attention_loop",
+    "attention_step",
     "merge_attention",
     "causal_conv1d",
     "causal_conv1d_loop",

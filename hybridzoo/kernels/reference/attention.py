@@ -211,3 +211,35 @@ def merge_attention(
     lse = torch.where(total > 0, top + torch.log(safe_total), float("-inf"))
     o = o1.to(dtype) * (w1 / safe_total).unsqueeze(-1) + o2.to(dtype) * (w2 / safe_total).unsqueeze(-1)
     return o.to(o1.dtype), lse
+
+
+def attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One decoding token: attend from ``q`` to the cached keys and values and to itself.
+
+    Args:
+        q: ``[B, Hq, D]``; k, v: ``[B, Hk, D]`` / ``[B, Hk, Dv]`` of the new token.
+        cache: ``(k_cache, v_cache)`` of shape ``[B, P, Hk, D]`` / ``[B, P, Hk, Dv]`` (the earlier
+            positions) or None. With a ``window``, only the last ``window - 1`` entries matter.
+        window, scale: as in :func:`attention`.
+
+    Returns:
+        ``(o [B, Hq, Dv] in q.dtype, new cache)``; the new cache is the old one with this token
+        appended (cut to its last ``window - 1`` positions when a window is given).
+    """
+    out, _ = attention(q[:, None], k[:, None], v[:, None], window=window, prefix=cache, scale=scale)
+    if cache is None:
+        new_k, new_v = k[:, None], v[:, None]
+    else:
+        new_k, new_v = torch.cat([cache[0], k[:, None]], 1), torch.cat([cache[1], v[:, None]], 1)
+    if window is not None:
+        start = max(0, new_k.shape[1] - (window - 1))  # a later query sees window - 1 earlier positions
+        new_k, new_v = new_k[:, start:], new_v[:, start:]
+    return out[:, 0], (new_k, new_v)
