@@ -15,71 +15,43 @@ here (fla: ``[channels, 1, conv_size]``; a converter squeezes dim 1). With ``H``
 
 ``gk_proj`` is low rank: ``d_model -> gate_low_rank_dim -> key_dim / G`` (bias on the second).
 The recurrence is :func:`hybridzoo.kernels.chunk_linear_attn` with per-key decays; a single token
-with a state takes :func:`hybridzoo.kernels.linear_attn_step`.
+with a state takes :func:`hybridzoo.kernels.linear_attn_step`. The body shared with RetNet is
+:class:`hybridzoo.layers.gated_linear.LinearAttentionMixer`; this module adds the decay.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer
-from hybridzoo.layers.conv import ShortConv
-from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
-from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.layers.gated_linear import LinearAttentionConfig, LinearAttentionMixer
+from hybridzoo.layers.state import state_dtype
 
 
 @dataclass
-class GLAConfig:
+class GLAConfig(LinearAttentionConfig):
     """Settings of a :class:`GLA` mixer (defaults of fla's ``GatedLinearAttention`` layer).
 
-    Attributes:
-        expand_k: ``key_dim = expand_k * d_model`` (all query heads together).
-        expand_v: ``value_dim = expand_v * d_model``.
-        num_heads: H, query heads; ``K = key_dim / H``, ``V = value_dim / H``.
-        num_kv_heads: key/value (and decay) heads, a divisor of H; None = H.
-        use_short_conv: a depthwise causal conv + SiLU on each of q, k, v.
-        conv_size: kernel width of the short convs.
-        conv_bias: bias in the short convs.
-        use_output_gate: ``y = rmsnorm(o) * silu(g_proj(x))``; False: ``y = rmsnorm(o)``.
-        norm_eps: epsilon of the per-head RMSNorm (fla's layer default 1e-5).
+    Attributes (besides those of :class:`LinearAttentionConfig`: expand_k, expand_v, num_heads,
+    num_kv_heads, use_short_conv, conv_size, conv_bias, use_output_gate, norm_eps, chunk_size,
+    initializer_range; here the key/value heads are also the decay heads):
         gate_logit_normalizer: ``log_a = logsigmoid(gk) / gate_logit_normalizer``.
         gate_low_rank_dim: inner size of the low-rank decay projection ``gk_proj``.
         clamp_min: lower clamp of ``log_a`` (None: no clamp).
-        chunk_size: tokens per chunk of the chunkwise kernel.
-        initializer_range: std of the normal init of projection and conv weights (fla's model
-            init; biases start at 0).
     """
 
     expand_k: float = 0.5
     expand_v: float = 1.0
     num_heads: int = 4
-    num_kv_heads: int | None = None
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
-    norm_eps: float = 1e-5
     gate_logit_normalizer: float = 16.0
     gate_low_rank_dim: int = 16
     clamp_min: float | None = None
-    chunk_size: int = 64
-    initializer_range: float = 0.02
 
 
-def _dim(d_model: int, expand: float, what: str) -> int:
-    size = d_model * expand
-    if not math.isclose(size, round(size)):
-        raise ValueError(f"GLA: d_model * {what} must be an integer, got {d_model} * {expand} = {size}")
-    return round(size)
-
-
-class GLA(Mixer):
+class GLA(LinearAttentionMixer):
     """Gated linear attention mixer: ``y, state = mixer(x, state=None)``, ``x, y: [B, T, d_model]``.
 
     Parameters (names and shapes as fla's ``GatedLinearAttention``): ``q_proj`` (d_model ->
@@ -97,107 +69,22 @@ class GLA(Mixer):
     """
 
     kind = "gla"
+    config: GLAConfig
 
     def __init__(self, d_model: int, config: GLAConfig | None = None, backend: str = "auto"):
-        super().__init__(d_model)
-        self.config = config = config or GLAConfig()
-        self.backend = backend
-        self.num_heads = H = config.num_heads
-        self.num_kv_heads = Hkv = config.num_kv_heads or H
-        if H % Hkv:
-            raise ValueError(f"GLA: num_heads {H} is not a multiple of num_kv_heads {Hkv}")
-        self.num_kv_groups = H // Hkv
-        self.key_dim = _dim(d_model, config.expand_k, "expand_k")
-        self.value_dim = _dim(d_model, config.expand_v, "expand_v")
-        if self.key_dim % H or self.value_dim % H:
-            raise ValueError(f"GLA: key_dim {self.key_dim} and value_dim {self.value_dim} must be "
-                             f"multiples of num_heads {H}")
-        self.head_k_dim, self.head_v_dim = self.key_dim // H, self.value_dim // H
-        self.key_dim_per_group = self.key_dim // self.num_kv_groups
-        self.value_dim_per_group = self.value_dim // self.num_kv_groups
-        self.scale = self.head_k_dim ** -0.5
+        super().__init__(d_model, config or GLAConfig(), backend)
 
-        self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, self.key_dim_per_group, bias=False)
-        self.v_proj = nn.Linear(d_model, self.value_dim_per_group, bias=False)
-        if config.use_output_gate:
-            self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
-        self.conv_channels = [self.key_dim, self.key_dim_per_group, self.value_dim_per_group]
-        if config.use_short_conv:
-            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-                ShortConv(c, config.conv_size, bias=config.conv_bias, activation="silu", backend=backend)
-                for c in self.conv_channels)
-        self.gk_proj = nn.Sequential(nn.Linear(d_model, config.gate_low_rank_dim, bias=False),
-                                     nn.Linear(config.gate_low_rank_dim, self.key_dim_per_group, bias=True))
-        self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
-        if config.use_output_gate:
-            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps, norm_before_gate=True)
-        else:
-            self.g_norm = RMSNorm(self.head_v_dim, eps=config.norm_eps)
-        self.reset_parameters()
+    def build_decay(self) -> None:
+        rank = self.config.gate_low_rank_dim
+        self.gk_proj = nn.Sequential(nn.Linear(self.d_model, rank, bias=False),
+                                     nn.Linear(rank, self.key_dim_per_group, bias=True))
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """fla's model init: linear and conv weights ~ N(0, initializer_range²), biases 0, norm
-        weights 1. Biases and norm weights are marked ``_no_weight_decay``."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, ShortConv)):
-                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-                    module.bias._no_weight_decay = True
-            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
-                nn.init.ones_(module.weight)
-                module.weight._no_weight_decay = True
-
-    def expected_state(self, batch_size: int, dtype: torch.dtype
-                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        fields = {"recurrent": ((batch_size, self.num_heads, self.head_k_dim, self.head_v_dim),
-                                state_dtype(dtype))}
-        if self.config.use_short_conv:
-            fields["conv"] = ((batch_size, self.config.conv_size - 1, sum(self.conv_channels)), dtype)
-        return fields
-
-    def _qkv(self, x: torch.Tensor, conv: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Projections (and short convs): q ``[B, T, key_dim]``, k, v, and the new conv tail."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if not self.config.use_short_conv:
-            return q, k, v, None
-        tails = [None] * 3 if conv is None else conv.split(self.conv_channels, dim=-1)
-        (q, tail_q), (k, tail_k), (v, tail_v) = (
-            conv1d(u, tail) for conv1d, u, tail in
-            zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v), tails))
-        return q, k, v, torch.cat([tail_q, tail_k, tail_v], dim=-1)
-
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
-            ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
-        cfg, G = self.config, self.num_kv_groups
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        q, k, v, conv = self._qkv(x, None if state is None else state.conv)
+    def decays(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, d_model]`` -> ``log_a [B, T, H, K]`` (one decay per key; float32, float64 kept)."""
+        cfg = self.config
         log_a = F.logsigmoid(self.gk_proj(x).to(state_dtype(x.dtype))) / cfg.gate_logit_normalizer
         if cfg.clamp_min is not None:
             log_a = log_a.clamp_min(cfg.clamp_min)
-        q = q.unflatten(-1, (H, K))                                             # [B, T, H, K]
-        # key/value head j serves query heads j*G .. j*G + G - 1 (fla's repeat '(h g)')
-        k, log_a = (t.unflatten(-1, (H // G, K)).repeat_interleave(G, dim=2) for t in (k, log_a))
-        v = v.unflatten(-1, (H // G, V)).repeat_interleave(G, dim=2)            # [B, T, H, V]
-
-        if x.shape[1] == 1 and state is not None:
-            o, recurrent = linear_attn_step(q[:, 0], k[:, 0], v[:, 0], log_a[:, 0], state.recurrent,
-                                            scale=self.scale)
-            o = o[:, None]
-        else:
-            o, recurrent = chunk_linear_attn(
-                q, k, v, log_a, scale=self.scale,
-                initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=cfg.chunk_size, backend=self.backend)
-
-        if cfg.use_output_gate:
-            o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
-        else:
-            o = self.g_norm(o)
-        y = self.o_proj(o.flatten(-2))
-        offset = (0 if state is None else state.offset) + x.shape[1]
-        return y, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv, offset=offset)
+        # decay head j serves query heads j*G .. j*G + G - 1, as the key/value heads do
+        G = self.num_kv_groups
+        return log_a.unflatten(-1, (self.num_heads // G, self.head_k_dim)).repeat_interleave(G, dim=2)

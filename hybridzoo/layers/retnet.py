@@ -17,64 +17,36 @@ Matches flash-linear-attention's ``fla.layers.multiscale_retention.MultiScaleRet
 
 The recurrence is :func:`hybridzoo.kernels.chunk_linear_attn` with ``log_a = log(gamma_h)`` for
 every token (``[B, T, H]``); a single token with a state takes
-:func:`hybridzoo.kernels.linear_attn_step`.
+:func:`hybridzoo.kernels.linear_attn_step`. The body shared with GLA is
+:class:`hybridzoo.layers.gated_linear.LinearAttentionMixer`; this module adds the fixed decays and
+the rotary positions.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer
-from hybridzoo.layers.conv import ShortConv
-from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
+from hybridzoo.layers.gated_linear import LinearAttentionConfig, LinearAttentionMixer
 from hybridzoo.layers.rotary import Rotary
-from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.layers.state import state_dtype
 
 
 @dataclass
-class RetNetConfig:
+class RetNetConfig(LinearAttentionConfig):
     """Settings of a :class:`RetNet` mixer (defaults of fla's ``MultiScaleRetention`` layer).
 
-    Attributes:
-        expand_k: ``key_dim = expand_k * d_model`` (all query heads together).
-        expand_v: ``value_dim = expand_v * d_model``.
-        num_heads: H, query heads, each with its own decay; ``K = key_dim / H``, ``V = value_dim / H``.
-        num_kv_heads: key/value heads, a divisor of H; None = H.
-        use_short_conv: a depthwise causal conv + SiLU on each of q, k, v.
-        conv_size: kernel width of the short convs.
-        conv_bias: bias in the short convs.
-        use_output_gate: ``y = rmsnorm(o) * silu(g_proj(x))``; False: ``y = rmsnorm(o)``.
-        norm_eps: epsilon of the per-head RMSNorm (fla's layer default 1e-5).
+    Attributes (besides those of :class:`LinearAttentionConfig`: expand_k, expand_v, num_heads,
+    num_kv_heads, use_short_conv, conv_size, conv_bias, use_output_gate, norm_eps, chunk_size,
+    initializer_range; here each of the num_heads query heads has its own decay):
         rotary_base: base of the rotary frequencies.
-        chunk_size: tokens per chunk of the chunkwise kernel.
-        initializer_range: std of the normal init of projection and conv weights (fla's model
-            init; biases start at 0).
     """
 
     expand_k: float = 1.0
     expand_v: float = 2.0
     num_heads: int = 8
-    num_kv_heads: int | None = None
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
-    norm_eps: float = 1e-5
     rotary_base: float = 10000.0
-    chunk_size: int = 64
-    initializer_range: float = 0.02
-
-
-def _dim(d_model: int, expand: float, what: str) -> int:
-    size = d_model * expand
-    if not math.isclose(size, round(size)):
-        raise ValueError(f"RetNet: d_model * {what} must be an integer, got {d_model} * {expand} = {size}")
-    return round(size)
 
 
 def retention_log_decays(num_heads: int, dtype: torch.dtype = torch.float32,
@@ -83,7 +55,7 @@ def retention_log_decays(num_heads: int, dtype: torch.dtype = torch.float32,
     return torch.log1p(-torch.exp2(-5.0 - torch.arange(num_heads, dtype=dtype, device=device)))
 
 
-class RetNet(Mixer):
+class RetNet(LinearAttentionMixer):
     """Multi-scale retention mixer: ``y, state = mixer(x, state=None)``, ``x, y: [B, T, d_model]``.
 
     Parameters (names and shapes as fla's ``MultiScaleRetention``): ``q_proj`` (d_model ->
@@ -100,106 +72,22 @@ class RetNet(Mixer):
     """
 
     kind = "retnet"
+    config: RetNetConfig
 
     def __init__(self, d_model: int, config: RetNetConfig | None = None, backend: str = "auto"):
-        super().__init__(d_model)
-        self.config = config = config or RetNetConfig()
-        self.backend = backend
-        self.num_heads = H = config.num_heads
-        self.num_kv_heads = Hkv = config.num_kv_heads or H
-        if H % Hkv:
-            raise ValueError(f"RetNet: num_heads {H} is not a multiple of num_kv_heads {Hkv}")
-        self.num_kv_groups = H // Hkv
-        self.key_dim = _dim(d_model, config.expand_k, "expand_k")
-        self.value_dim = _dim(d_model, config.expand_v, "expand_v")
-        if self.key_dim % H or self.value_dim % H:
-            raise ValueError(f"RetNet: key_dim {self.key_dim} and value_dim {self.value_dim} must be "
-                             f"multiples of num_heads {H}")
-        self.head_k_dim, self.head_v_dim = self.key_dim // H, self.value_dim // H
+        super().__init__(d_model, config or RetNetConfig(), backend)
         if self.head_k_dim % 2:
             raise ValueError(f"RetNet: the key head size {self.head_k_dim} must be even (rotary)")
-        self.key_dim_per_group = self.key_dim // self.num_kv_groups
-        self.value_dim_per_group = self.value_dim // self.num_kv_groups
-        self.scale = self.head_k_dim ** -0.5
+        self.rotary = Rotary(self.head_k_dim, base=self.config.rotary_base)
 
-        self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, self.key_dim_per_group, bias=False)
-        self.v_proj = nn.Linear(d_model, self.value_dim_per_group, bias=False)
-        if config.use_output_gate:
-            self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
-        self.conv_channels = [self.key_dim, self.key_dim_per_group, self.value_dim_per_group]
-        if config.use_short_conv:
-            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
-                ShortConv(c, config.conv_size, bias=config.conv_bias, activation="silu", backend=backend)
-                for c in self.conv_channels)
-        self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
-        if config.use_output_gate:
-            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps, norm_before_gate=True)
-        else:
-            self.g_norm = RMSNorm(self.head_v_dim, eps=config.norm_eps)
-        self.rotary = Rotary(self.head_k_dim, base=config.rotary_base)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """fla's model init: linear and conv weights ~ N(0, initializer_range²), biases 0, norm
-        weights 1. Biases and norm weights are marked ``_no_weight_decay``."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, ShortConv)):
-                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-                    module.bias._no_weight_decay = True
-            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
-                nn.init.ones_(module.weight)
-                module.weight._no_weight_decay = True
-
-    def expected_state(self, batch_size: int, dtype: torch.dtype
-                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        fields = {"recurrent": ((batch_size, self.num_heads, self.head_k_dim, self.head_v_dim),
-                                state_dtype(dtype))}
-        if self.config.use_short_conv:
-            fields["conv"] = ((batch_size, self.config.conv_size - 1, sum(self.conv_channels)), dtype)
-        return fields
-
-    def _qkv(self, x: torch.Tensor, conv: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Projections (and short convs): q ``[B, T, key_dim]``, k, v, and the new conv tail."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if not self.config.use_short_conv:
-            return q, k, v, None
-        tails = [None] * 3 if conv is None else conv.split(self.conv_channels, dim=-1)
-        (q, tail_q), (k, tail_k), (v, tail_v) = (
-            conv1d(u, tail) for conv1d, u, tail in
-            zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v), tails))
-        return q, k, v, torch.cat([tail_q, tail_k, tail_v], dim=-1)
-
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
-            ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
-        cfg, G = self.config, self.num_kv_groups
+    def decays(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, d_model]`` -> ``log_a [B, T, H]``: ``log(gamma_h)`` at every token (float32,
+        float64 kept)."""
         batch, length, _ = x.shape
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        offset = 0 if state is None else state.offset
-        q, k, v, conv = self._qkv(x, None if state is None else state.conv)
-        q = self.rotary(q.unflatten(-1, (H, K)), offset)                        # [B, T, H, K]
-        k = self.rotary(k.unflatten(-1, (H // G, K)), offset).repeat_interleave(G, dim=2)
-        v = v.unflatten(-1, (H // G, V)).repeat_interleave(G, dim=2)            # [B, T, H, V]
-        log_a = retention_log_decays(H, state_dtype(x.dtype), x.device).expand(batch, length, H)
+        H = self.num_heads
+        return retention_log_decays(H, state_dtype(x.dtype), x.device).expand(batch, length, H)
 
-        if length == 1 and state is not None:
-            o, recurrent = linear_attn_step(q[:, 0], k[:, 0], v[:, 0], log_a[:, 0], state.recurrent,
-                                            scale=self.scale)
-            o = o[:, None]
-        else:
-            o, recurrent = chunk_linear_attn(
-                q, k, v, log_a, scale=self.scale,
-                initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=cfg.chunk_size, backend=self.backend)
-
-        if cfg.use_output_gate:
-            o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
-        else:
-            o = self.g_norm(o)
-        y = self.o_proj(o.flatten(-2))
-        return y, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv, offset=offset + length)
+    def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary over all K channels, positions ``offset, offset + 1, ...``."""
+        return self.rotary(q, offset), self.rotary(k, offset)

@@ -12,8 +12,9 @@ from hybridzoo.layers.gla import GLA, GLAConfig
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
+from tests.layers.fla_parity import (D_MODEL, check_matches_fla_layer, inputs, output_by_hand,
+                                     patch_fla_norm_and_conv, qkv_by_hand, randomize, skip_without_fla)
 
-D_MODEL = 16
 CONFIGS = {
     "plain": GLAConfig(num_heads=2),
     "short_conv": GLAConfig(num_heads=2, use_short_conv=True, conv_bias=True, chunk_size=8),
@@ -22,23 +23,9 @@ CONFIGS = {
 }
 
 
-@torch.no_grad()
-def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Give every parameter a random value of order 1 (norm weights around 1), so that each one matters."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, p in module.named_parameters():
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p.dtype)
-        p.copy_(1 + 0.2 * noise if "norm" in name else 0.4 * noise)
-    return module
-
-
 def make(name: str, dtype=torch.float64) -> GLA:
     torch.manual_seed(0)
     return randomize(GLA(D_MODEL, CONFIGS[name])).to(dtype)
-
-
-def inputs(B=2, T=23, dtype=torch.float64, seed=1) -> torch.Tensor:
-    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -75,18 +62,8 @@ def test_bad_config():
 def gla_by_hand(mixer: GLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer written out with plain tensor ops and the token-by-token kernel loop."""
     cfg, (B, T, _) = mixer.config, x.shape
-    H, G, K, V = mixer.num_heads, mixer.num_kv_groups, mixer.head_k_dim, mixer.head_v_dim
-
-    def project(linear, conv):
-        u = x @ linear.weight.T
-        if not cfg.use_short_conv:
-            return u
-        padded = F.pad(u.transpose(1, 2), (cfg.conv_size - 1, 0))        # causal: zeros before t=0
-        return F.silu(F.conv1d(padded, conv.weight[:, None], conv.bias, groups=u.shape[-1]).transpose(1, 2))
-
-    q = project(mixer.q_proj, getattr(mixer, "q_conv1d", None)).reshape(B, T, H, K)
-    k = project(mixer.k_proj, getattr(mixer, "k_conv1d", None)).reshape(B, T, H // G, K)
-    v = project(mixer.v_proj, getattr(mixer, "v_conv1d", None)).reshape(B, T, H // G, V)
+    H, G, K = mixer.num_heads, mixer.num_kv_groups, mixer.head_k_dim
+    q, k, v = qkv_by_hand(mixer, x)
     gk = (x @ mixer.gk_proj[0].weight.T) @ mixer.gk_proj[1].weight.T + mixer.gk_proj[1].bias
     log_a = F.logsigmoid(gk) / cfg.gate_logit_normalizer
     if cfg.clamp_min is not None:
@@ -95,13 +72,7 @@ def gla_by_hand(mixer: GLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     kv_head = torch.arange(H) // G                                       # query head h reads kv head h // G
     k, v, log_a = k[:, :, kv_head], v[:, :, kv_head], log_a[:, :, kv_head]
     o, final = linear_attn_loop(q, k, v, log_a, scale=K ** -0.5, output_final_state=True)
-    if cfg.use_output_gate:
-        norm = mixer.g_norm_swish_gate
-        g = (x @ mixer.g_proj.weight.T).reshape(B, T, H, V)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * norm.weight * F.silu(g)
-    else:
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * mixer.g_norm.weight
-    return o.reshape(B, T, H * V) @ mixer.o_proj.weight.T, final
+    return output_by_hand(mixer, x, o), final
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -122,11 +93,8 @@ def fla_pure_torch(monkeypatch) -> dict[str, int]:
     ``naive_recurrent_gla``; its fused gated RMSNorm becomes fla's own ``rms_norm_ref``; its
     short-conv op becomes ``F.conv1d`` on the module's weight. Returns the call counters.
     """
-    pytest.importorskip("fla", reason="flash-linear-attention (fla) is not installed")
+    skip_without_fla()
     import fla.layers.gla as fla_gla
-    import fla.modules.causal_conv1d.ops as fla_conv
-    import fla.modules.norm.fused_norm_gate as fla_norm
-    from fla.modules.norm.layernorm_gated import rms_norm_ref
     from fla.ops.gla.naive import naive_recurrent_gla
 
     calls = {"naive_recurrent_gla": 0, "rms_norm_ref": 0, "conv1d": 0}
@@ -137,25 +105,9 @@ def fla_pure_torch(monkeypatch) -> dict[str, int]:
         calls["naive_recurrent_gla"] += 1
         return naive_recurrent_gla(q, k, v, gk if gk is not None else g, None, output_final_state)
 
-    def norm(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
-             residual_in_fp32=False, eps=1e-6):
-        assert activation in ("swish", "silu") and residual is None and not prenorm
-        calls["rms_norm_ref"] += 1
-        return rms_norm_ref(x, weight, bias, z=g, eps=eps, norm_before_gate=True)
-
-    def conv(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
-             activation=None, cu_seqlens=None, **_):
-        assert residual is None and initial_state is None and cu_seqlens is None
-        calls["conv1d"] += 1
-        W = weight.shape[-1]
-        y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=x.shape[-1])
-        y = y[..., : x.shape[1]].transpose(1, 2)
-        return (F.silu(y) if activation in ("silu", "swish") else y), None
-
     for kernel in ("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"):
         monkeypatch.setattr(fla_gla, kernel, gla_kernel)
-    monkeypatch.setattr(fla_norm, "rms_norm_gated", norm)
-    monkeypatch.setattr(fla_conv, "causal_conv1d", conv)
+    patch_fla_norm_and_conv(monkeypatch, calls)
     return calls
 
 
@@ -172,26 +124,14 @@ def test_fla_layer_parity(monkeypatch, name):
         conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, norm_eps=cfg.norm_eps,
         gate_logit_normalizer=cfg.gate_logit_normalizer, gate_low_rank_dim=cfg.gate_low_rank_dim,
         clamp_min=cfg.clamp_min), seed=3)
-    ours = GLA(D_MODEL, cfg)
-    # same names and shapes, except fla's conv weights [C, 1, W] -> ours [C, W]
-    ours.load_state_dict({n: t.squeeze(1) if "conv1d.weight" in n else t
-                          for n, t in theirs.state_dict().items()}, strict=True)
-
-    x = inputs(T=21, dtype=torch.float32).requires_grad_(True)
-    y_theirs = theirs(x)[0]
+    check_matches_fla_layer(GLA(D_MODEL, cfg), theirs)
     assert calls["naive_recurrent_gla"] == 1 and calls["rms_norm_ref"] == 1
     assert calls["conv1d"] == (3 if cfg.use_short_conv else 0)
-    y_ours, _ = ours(x)
-    assert rel_err(y_ours, y_theirs) <= 1e-5
-    weight = torch.randn(y_ours.shape, generator=torch.Generator().manual_seed(5))
-    (g_theirs,) = torch.autograd.grad((y_theirs * weight).sum(), x)
-    (g_ours,) = torch.autograd.grad((y_ours * weight).sum(), x)
-    assert rel_err(g_ours, g_theirs) <= 1e-5
 
 
 def test_fla_naive_kernel_parity():
     """Our kernel call (per-key decays, K**-0.5, [B, H, K, V] states) == fla's ``naive_recurrent_gla``."""
-    pytest.importorskip("fla", reason="flash-linear-attention (fla) is not installed")
+    skip_without_fla()
     from fla.ops.gla.naive import naive_recurrent_gla
 
     g = torch.Generator().manual_seed(7)

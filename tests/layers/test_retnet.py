@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridzoo.kernels import chunk_linear_attn
 from hybridzoo.kernels.reference import linear_attn_loop
@@ -14,8 +13,9 @@ from hybridzoo.layers.retnet import RetNet, RetNetConfig, retention_log_decays
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
+from tests.layers.fla_parity import (D_MODEL, check_matches_fla_layer, inputs, output_by_hand,
+                                     patch_fla_norm_and_conv, qkv_by_hand, randomize, skip_without_fla)
 
-D_MODEL = 16
 CONFIGS = {
     "one_head": RetNetConfig(num_heads=1),
     "heads": RetNetConfig(num_heads=4, chunk_size=8),
@@ -24,23 +24,9 @@ CONFIGS = {
 }
 
 
-@torch.no_grad()
-def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Give every parameter a random value of order 1 (norm weights around 1), so that each one matters."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, p in module.named_parameters():
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64).to(p.dtype)
-        p.copy_(1 + 0.2 * noise if "norm" in name else 0.4 * noise)
-    return module
-
-
 def make(name: str, dtype=torch.float64) -> RetNet:
     torch.manual_seed(0)
     return randomize(RetNet(D_MODEL, CONFIGS[name])).to(dtype)
-
-
-def inputs(B=2, T=23, dtype=torch.float64, seed=1) -> torch.Tensor:
-    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -81,14 +67,7 @@ def test_bad_config():
 def retnet_by_hand(mixer: RetNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer written out with plain tensor ops and the token-by-token kernel loop."""
     cfg, (B, T, _) = mixer.config, x.shape
-    H, G, K, V = mixer.num_heads, mixer.num_kv_groups, mixer.head_k_dim, mixer.head_v_dim
-
-    def project(linear, conv):
-        u = x @ linear.weight.T
-        if not cfg.use_short_conv:
-            return u
-        padded = F.pad(u.transpose(1, 2), (cfg.conv_size - 1, 0))        # causal: zeros before t=0
-        return F.silu(F.conv1d(padded, conv.weight[:, None], conv.bias, groups=u.shape[-1]).transpose(1, 2))
+    H, G, K = mixer.num_heads, mixer.num_kv_groups, mixer.head_k_dim
 
     # rotate-half RoPE: channel pairs (i, i + K/2) turn by angle t * inv_freq[i]
     inv_freq = cfg.rotary_base ** (-torch.arange(0, K, 2, dtype=torch.float64) / K)
@@ -100,20 +79,13 @@ def retnet_by_hand(mixer: RetNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.
         u1, u2 = u[..., : K // 2], u[..., K // 2:]
         return torch.cat([u1 * cos - u2 * sin, u2 * cos + u1 * sin], dim=-1)
 
-    q = rotate(project(mixer.q_proj, getattr(mixer, "q_conv1d", None)).reshape(B, T, H, K))
-    k = rotate(project(mixer.k_proj, getattr(mixer, "k_conv1d", None)).reshape(B, T, H // G, K))
-    v = project(mixer.v_proj, getattr(mixer, "v_conv1d", None)).reshape(B, T, H // G, V)
+    q, k, v = qkv_by_hand(mixer, x)
+    q, k = rotate(q), rotate(k)
     kv_head = torch.arange(H) // G                                       # query head h reads kv head h // G
     k, v = k[:, :, kv_head], v[:, :, kv_head]
     log_a = torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)], dtype=x.dtype).expand(B, T, H)
     o, final = linear_attn_loop(q, k, v, log_a, scale=K ** -0.5, output_final_state=True)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-    if cfg.use_output_gate:
-        g = (x @ mixer.g_proj.weight.T).reshape(B, T, H, V)
-        o = o * mixer.g_norm_swish_gate.weight * F.silu(g)
-    else:
-        o = o * mixer.g_norm.weight
-    return o.reshape(B, T, H * V) @ mixer.o_proj.weight.T, final
+    return output_by_hand(mixer, x, o), final
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -134,12 +106,9 @@ def fla_pure_torch(monkeypatch) -> dict[str, int]:
     fla's own ``rms_norm_ref``; its rotary op becomes fla's own ``rotary_embedding_ref``; its
     short-conv op becomes ``F.conv1d`` on the module's weight. Returns the call counters.
     """
-    pytest.importorskip("fla", reason="flash-linear-attention (fla) is not installed")
+    skip_without_fla()
     import fla.layers.multiscale_retention as fla_retnet
-    import fla.modules.causal_conv1d.ops as fla_conv
-    import fla.modules.norm.fused_norm_gate as fla_norm
     import fla.modules.rotary.ops as fla_rotary
-    from fla.modules.norm.layernorm_gated import rms_norm_ref
     from fla.ops.retention.naive import naive_retention
 
     calls = {"naive_retention": 0, "rms_norm_ref": 0, "rotary_embedding_ref": 0, "conv1d": 0}
@@ -150,32 +119,16 @@ def fla_pure_torch(monkeypatch) -> dict[str, int]:
         o = naive_retention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))   # head-first
         return o.transpose(1, 2), None
 
-    def norm(x, g, weight, bias, activation="swish", residual=None, prenorm=False,
-             residual_in_fp32=False, eps=1e-6):
-        assert activation in ("swish", "silu") and residual is None and not prenorm
-        calls["rms_norm_ref"] += 1
-        return rms_norm_ref(x, weight, bias, z=g, eps=eps, norm_before_gate=True)
-
     def rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **_):
         assert isinstance(seqlen_offsets, int) and cu_seqlens is None and not inplace
         calls["rotary_embedding_ref"] += 1
         positions = slice(seqlen_offsets, seqlen_offsets + x.shape[1])
         return fla_rotary.rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
 
-    def conv(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
-             activation=None, cu_seqlens=None, **_):
-        assert residual is None and initial_state is None and cu_seqlens is None
-        calls["conv1d"] += 1
-        W = weight.shape[-1]
-        y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=W - 1, groups=x.shape[-1])
-        y = y[..., : x.shape[1]].transpose(1, 2)
-        return (F.silu(y) if activation in ("silu", "swish") else y), None
-
     for kernel in ("chunk_retention", "fused_chunk_retention", "fused_recurrent_retention", "parallel_retention"):
         monkeypatch.setattr(fla_retnet, kernel, retention)
-    monkeypatch.setattr(fla_norm, "rms_norm_gated", norm)
     monkeypatch.setattr(fla_rotary, "rotary_embedding", rotary)
-    monkeypatch.setattr(fla_conv, "causal_conv1d", conv)
+    patch_fla_norm_and_conv(monkeypatch, calls)
     return calls
 
 
@@ -190,27 +143,15 @@ def test_fla_layer_parity(monkeypatch, name):
         mode="chunk", hidden_size=D_MODEL, expand_k=cfg.expand_k, expand_v=cfg.expand_v,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, use_short_conv=cfg.use_short_conv,
         conv_size=cfg.conv_size, conv_bias=cfg.conv_bias, norm_eps=cfg.norm_eps), seed=3)
-    ours = RetNet(D_MODEL, cfg)
-    # same names and shapes, except fla's conv weights [C, 1, W] -> ours [C, W]
-    ours.load_state_dict({n: t.squeeze(1) if "conv1d.weight" in n else t
-                          for n, t in theirs.state_dict().items()}, strict=True)
-
-    x = inputs(T=21, dtype=torch.float32).requires_grad_(True)
-    y_theirs = theirs(x)[0]
+    check_matches_fla_layer(RetNet(D_MODEL, cfg), theirs)
     assert calls["naive_retention"] == 1 and calls["rms_norm_ref"] == 1
     assert calls["rotary_embedding_ref"] == 2
     assert calls["conv1d"] == (3 if cfg.use_short_conv else 0)
-    y_ours, _ = ours(x)
-    assert rel_err(y_ours, y_theirs) <= 1e-5
-    weight = torch.randn(y_ours.shape, generator=torch.Generator().manual_seed(5))
-    (g_theirs,) = torch.autograd.grad((y_theirs * weight).sum(), x)
-    (g_ours,) = torch.autograd.grad((y_ours * weight).sum(), x)
-    assert rel_err(g_ours, g_theirs) <= 1e-5
 
 
 def test_fla_naive_kernel_parity():
     """Our kernel call (fixed per-head decays, K**-0.5) == fla's ``naive_retention``."""
-    pytest.importorskip("fla", reason="flash-linear-attention (fla) is not installed")
+    skip_without_fla()
     from fla.ops.retention.naive import naive_retention
 
     g = torch.Generator().manual_seed(7)
