@@ -60,9 +60,10 @@ L2_EPS = 1e-6  # HF's and fla's l2norm: x * rsqrt(Σ x² + eps)
 class GatedDeltaNetConfig:
     """Settings of a :class:`GatedDeltaNet` mixer.
 
-    The defaults are fla's GDN-340M (flame ``configs/gated_deltanet_340M.json``: ``d_model`` 1024,
-    ``num_heads`` 6, ``head_dim`` 256, ``expand_v`` 2). As in fla and Qwen3-Next, the sizes are
-    absolute, not derived from ``d_model``. Qwen3-Next-80B: 16 key heads, 32 value heads, both
+    The defaults are the layer sizes of flame's ``configs/gated_deltanet_340M.json`` (``d_model``
+    1024, ``num_heads`` 6, ``head_dim`` 256, ``expand_v`` 2; with 24 such layers that model has
+    about 512M parameters, so the packaged ``gated-deltanet-340m`` recipe uses fla's own sizing
+    rule instead). As in fla and Qwen3-Next, the sizes are absolute, not derived from ``d_model``. Qwen3-Next-80B: 16 key heads, 32 value heads, both
     of size 128.
 
     Attributes:
