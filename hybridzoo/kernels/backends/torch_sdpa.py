@@ -4,7 +4,9 @@
   (flash / memory-efficient kernels on CUDA), K/V heads passed as they are (``enable_gqa``).
 * Everything else (sliding window, a K/V prefix, ``return_lse``): ``flex_attention`` with a block
   mask, compiled on CUDA. The prefix is concatenated in front of the chunk's own K/V here (one
-  copy per call); SeCO avoids that copy with its own block-by-block path.
+  copy per call); SeCO avoids that copy with its own block-by-block path. Where flex_attention
+  cannot run — head dims below 16 on CUDA, or a backward on CPU (flex has none there) — the
+  same call goes to the reference implementation.
 
 Same signature and semantics as :func:`hybridzoo.kernels.reference.attention`.
 """
@@ -49,6 +51,12 @@ def attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False
     if window is None and prefix is None and not return_lse:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2), None
+    tensors = (q, k, v) + (tuple(prefix) if prefix is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if min(q.shape[-1], v.shape[-1]) < 16 or (needs_grad and not q.is_cuda):
+        from hybridzoo.kernels.reference import attention as reference_attention
+
+        return reference_attention(q, k, v, window=window, prefix=prefix, scale=scale, return_lse=return_lse)
     prefix_len = 0
     if prefix is not None:
         prefix_len = prefix[0].shape[1]
