@@ -443,8 +443,10 @@ class TextDataModule(_ResumableDataModule):
         val = _pack(val_docs, self.tokenizer)
         if val.numel() >= self.seq_len:
             train = _pack(train_docs, self.tokenizer)
+            self.bytes_per_token = _utf8_bytes(val_docs) / val.numel()
         else:  # too few or too short held-out documents: hold out the end of the token stream
             stream = _pack(docs, self.tokenizer)
+            self.bytes_per_token = _utf8_bytes(docs) / max(1, stream.numel())
             n_val = math.ceil(self.val_fraction * stream.numel())
             train, val = stream[: stream.numel() - n_val], stream[stream.numel() - n_val :]
             if min(train.numel(), val.numel()) < self.seq_len:
@@ -460,8 +462,16 @@ class TextDataModule(_ResumableDataModule):
                 f"the training split of {self.source} has {train.numel()} tokens; one row of "
                 f"seq_len={self.seq_len} needs {self.seq_len}. Use a smaller seq_len or more data."
             )
+        if isinstance(self.tokenizer, ByteTokenizer):
+            self.bytes_per_token = 1.0  # one byte per token; document separators count as tokens
         self._train_set = PackedDataset(train, self.seq_len)
         self._val_set = PackedDataset(val, self.seq_len)
+
+
+def _utf8_bytes(docs: Sequence[Document]) -> int:
+    """UTF-8 bytes of the documents, plus one per document for its separator token: bits per
+    byte are then comparable between byte-level and subword tokenizers on the same text."""
+    return sum((len(d) if isinstance(d, bytes) else len(d.encode("utf-8"))) + 1 for d in docs)
 
 
 class MQARDataModule(_ResumableDataModule):

@@ -327,6 +327,11 @@ def test_hf_tokenizer_directory(tmp_path):
     kept = [t for i, t in enumerate(corpus * 30) if i % 10 != 9]
     stream = [i for t in kept for i in tok.encode(t).ids + [eos]]
     assert torch.cat(rows_of(dm._train_set)).tolist() == stream[: len(stream) // 8 * 8]
+    # bits per byte need bytes per token: held-out UTF-8 bytes (+1 separator each) over tokens
+    held_out = [t for i, t in enumerate(corpus * 30) if i % 10 == 9]
+    n_bytes = sum(len(t.encode()) + 1 for t in held_out)
+    n_tokens = sum(len(tok.encode(t).ids) + 1 for t in held_out)
+    assert dm.bytes_per_token == pytest.approx(n_bytes / n_tokens)
 
     assert isinstance(find_tokenizer(tmp_path / "tok"), HFTokenizer)
     assert isinstance(find_tokenizer(tmp_path / "docs"), ByteTokenizer)
