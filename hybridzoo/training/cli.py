@@ -54,6 +54,20 @@ _QUIET = (
 )
 
 
+class StepProgressBar(RichProgressBar):
+    """Rich progress bar that shows ``step N/max_steps`` when training is bounded by steps
+    (Lightning's own shows ``Epoch 0/-2`` when ``max_epochs`` is -1)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        if trainer.max_steps and trainer.max_steps > 0:
+            description += f" (max_steps {trainer.max_steps})"
+        return description
+
+
 class HybridLightningCLI(LightningCLI):
     """LightningCLI with ``LanguageModel``, a data module chosen by ``data.class_path`` and the
     hybridzoo defaults (see the module docstring). ``args``: the argument list after the
@@ -105,7 +119,7 @@ class HybridLightningCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         if trainer_config.get("enable_progress_bar") is not False and not any(
                 isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(RichProgressBar())
+            callbacks.append(StepProgressBar())
         if not any(isinstance(c, TokensPerSecond) for c in callbacks):
             callbacks.append(TokensPerSecond())
         return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
