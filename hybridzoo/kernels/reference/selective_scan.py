@@ -174,7 +174,7 @@ def selective_scan(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-1 selective scan over the whole sequence, chunk by chunk.
 
@@ -187,6 +187,11 @@ def selective_scan(
         initial_state: ``[B, Dm, N]`` or None (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: tokens per chunk (any value >= 1; only memory and speed depend on it).
+            None (default): the largest power of two up to 64 whose chunk of states
+            ``[B, chunk, Dm, N]`` holds at most 2^18 numbers. The in-chunk scan does
+            ``log2(chunk)`` passes over that tensor, so on a CPU a small chunk (down to the plain
+            loop for large states) is faster; measured at B32 T64 Dm128 N64 fwd+bwd: chunk 64
+            1.6 s, chunk 4 0.27 s.
 
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] or None)``; the state is float32,
@@ -194,6 +199,9 @@ def selective_scan(
         the forward pass.
     """
     groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
+    if chunk_size is None:
+        per_token = u.shape[0] * u.shape[2] * A.shape[1]
+        chunk_size = 1 << max(0, min(6, (2 ** 18 // max(1, per_token)).bit_length() - 1))
     if chunk_size < 1:
         raise ValueError(f"selective_scan: chunk_size must be >= 1, got {chunk_size}")
     dtype = _state_dtype(u)
