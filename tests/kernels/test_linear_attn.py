@@ -21,13 +21,7 @@ F64 = torch.float64
 DECAYS = ("none", "scalar", "per_key")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and fight other processes for 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_inputs(seed, T, decay, *, B=None, Hk=None, H=None, K=None, V=None, state=True):

@@ -22,13 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_seco.py"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops are fastest (and far steadier on a shared 2-core machine) single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

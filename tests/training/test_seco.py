@@ -36,13 +36,7 @@ from tests.zoo.tiny import KINDS, tiny_config
 T, VOCAB, WINDOW = 23, 37, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops are fastest (and far steadier on a shared 2-core machine) single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hybrid(seed: int, model_cls=HybridLM, overrides=None, **kwargs) -> HybridLM:

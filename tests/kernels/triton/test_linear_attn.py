@@ -31,12 +31,7 @@ def poison(monkeypatch):
     monkeypatch.setattr(triton_linear_attn, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_inputs(seed, decay, *, B=1, T=37, Hk=1, H=2, K=16, V=16, state=True, resets=(),
