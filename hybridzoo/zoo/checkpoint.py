@@ -63,6 +63,8 @@ def load_pretrained(cls, directory: str | Path, device=None, dtype: torch.dtype 
         raise CheckpointError(f"{weights_path} is not a readable safetensors file "
                               f"(truncated or corrupted?): {error}") from error
 
+    # built on meta, then every tensor comes from the file: this works because no module of
+    # hybridzoo keeps a buffer outside its state_dict (tests/zoo/test_checkpoint.py checks it)
     with torch.device("meta"):
         model = cls(config)
     expected = model.state_dict()
@@ -82,19 +84,6 @@ def load_pretrained(cls, directory: str | Path, device=None, dtype: torch.dtype 
     model.load_state_dict(tensors, strict=False, assign=False)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    _restore_buffers(model)
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model.eval()
-
-
-def _restore_buffers(model) -> None:
-    """Non-persistent buffers (e.g. rotary frequencies) are not in the file: rebuild them by
-    constructing the same modules on CPU and copying."""
-    fresh = type(model)(model.config) if any(True for _ in model.buffers()) else None
-    if fresh is None:
-        return
-    own = dict(model.named_buffers())
-    for name, buffer in fresh.named_buffers():
-        if name in own:
-            own[name].copy_(buffer)

@@ -91,3 +91,9 @@ def test_no_pickle_in_checkpoint(model, tmp_path):
     head = (tmp_path / "model.safetensors").read_bytes()[:8]
     header_len = int.from_bytes(head, "little")
     assert 0 < header_len < 10**7  # a safetensors header, not a zip / pickle
+
+
+def test_every_tensor_of_the_model_is_in_its_state_dict(model):
+    # from_pretrained builds on the meta device and fills tensors from the file only: a buffer
+    # left out of the state_dict (persistent=False) would come back uninitialised
+    assert {name for name, _ in model.named_buffers()} <= set(model.state_dict())
