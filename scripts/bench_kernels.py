@@ -133,6 +133,19 @@ def case_selective_scan(B, T, Dm, N):
     return ours, anchor, (do,), (u, delta, A, Bm, Cm, D, z, bias), nbytes(u, z, delta, Bm, Cm, do)
 
 
+def case_conv(B, T, Dm, W):
+    from causal_conv1d import causal_conv1d_fn
+
+    x = rand(B, T, Dm)
+    weight = (torch.randn(Dm, W, device=DEV) * 0.5).to(torch.bfloat16).requires_grad_(True)
+    bias = torch.randn(Dm, device=DEV).to(torch.bfloat16).requires_grad_(True)
+    do = torch.randn(B, T, Dm, device=DEV, dtype=torch.bfloat16)
+    ours = lambda: K.causal_conv1d(x, weight, bias, activation="silu", backend="triton")[0]  # noqa: E731
+    # causal_conv1d is channel-first [B, D, L]; a channel-last view of our layout is what it reads fastest
+    anchor = lambda: causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation="silu").transpose(1, 2)  # noqa: E731
+    return ours, anchor, (do,), (x, weight, bias), nbytes(x, weight, bias, do)
+
+
 CASES = [
     ("chunk_linear_attn scalar vs fla chunk_simple_gla*", "B2 T16384 H16 D128", lambda: case_linear_attn(2, 16384, 16, 128, False)),
     ("chunk_linear_attn scalar vs fla chunk_simple_gla*", "B8 T4096 H16 D128", lambda: case_linear_attn(8, 4096, 16, 128, False)),
@@ -142,6 +155,7 @@ CASES = [
     ("chunk_delta_rule vs fla chunk_gated_delta_rule*", "B8 T4096 H16 D128", lambda: case_delta_rule(8, 4096, 16, 128)),
     ("SSD (chunk_linear_attn) vs mamba_chunk_scan_combined", "B2 T16384 H32 P64 N128 G1 c256", lambda: case_ssd(2, 16384, 32, 64, 128, 1, 256)),
     ("selective_scan vs mamba_ssm selective_scan_fn", "B2 T16384 D2048 N16", lambda: case_selective_scan(2, 16384, 2048, 16)),
+    ("causal_conv1d vs causal_conv1d_fn (mamba_ssm's)", "B2 T16384 D4096 W4 silu", lambda: case_conv(2, 16384, 4096, 4)),
 ]
 
 
