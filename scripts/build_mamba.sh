@@ -11,9 +11,16 @@ for d in /tmp/src/mamba_ssm-* /tmp/src/causal_conv1d-*; do
   python3 - "$d/setup.py" <<'PY'
 import re, sys
 path = sys.argv[1]
-text = open(path).read()
-text = re.sub(r'cc_flag\.append\("-gencode"\)\n\s*cc_flag\.append\("arch=compute_(?!90\b)\d+a?,code=sm_\d+a?"\)\n', "", text)
-open(path, "w").write(text)
+lines, out, i = open(path).read().split("\n"), [], 0
+while i < len(lines):  # drop every -gencode pair but sm_90's, leaving `pass` so no block is emptied
+    pair = i + 1 < len(lines) and lines[i].strip() == 'cc_flag.append("-gencode")'
+    if pair and re.search(r'arch=compute_(?!90\b)\d+a?,code=sm_', lines[i + 1]):
+        out.append(lines[i][: len(lines[i]) - len(lines[i].lstrip())] + "pass")
+        i += 2
+        continue
+    out.append(lines[i])
+    i += 1
+open(path, "w").write("\n".join(out))
 PY
 done
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0

@@ -11,16 +11,25 @@ so the prefix is never copied whole and never expanded to the query heads::
 
 Every prefix key is visible to every query (full attention: the queries sit after the prefix).
 
-Backward (from ``dO_p`` and ``dlse_p``, per block, the flash-attention backward)::
+Backward (given ``dO_p`` and ``dlse_p``, block by block): each block's forward is **recomputed with
+autograd through the same** :func:`hybridzoo.kernels.attention` **call** (prefix-only form,
+``return_lse=True``, same ``backend``) and differentiated with :func:`torch.autograd.grad`. The
+merge ``O_p = Σ_b w_b O_b``, ``lse_p = logsumexp_b lse_b``, ``w_b = exp(lse_b − lse_p)`` hands
+block ``b`` the upstream gradients::
 
-    P_b  = exp(S_b − lse_p)                        S_b = scale · q k_bᵀ   (this block's scores)
-    dS_b = P_b ∘ (dO_p v_bᵀ − rowsum(dO_p ∘ O_p) + dlse_p)
-    dq  += scale · dS_b k_b,    dk_b = scale · dS_bᵀ q,    dv_b = P_bᵀ dO_p
+    dO_b   = w_b · dO_p
+    dlse_b = w_b · (dlse_p + rowsum(dO_p ∘ (O_b − O_p)))
+    dq, dk_b, dv_b = autograd.grad((O_b, lse_b), (q, k_b, v_b), (dO_b, dlse_b))
 
-Only ``dq`` is returned to autograd; ``dk_b`` and ``dv_b`` are **added in place** into
-``k_grad[:, block]`` / ``v_grad[:, block]``, the one gradient buffer per layer that SeCO's reverse
-sweep relays to earlier chunks. (The per-block backward is plain PyTorch; a fused kernel can
-replace :func:`_block_backward` without changing anything else.)
+(Inside the attention op this is the flash backward with ``P_b w_b = exp(S_b − lse_p)``.) On CUDA
+the op is torch's compiled ``flex_attention``, whose backward is a fused Triton kernel that also
+takes the gradient of the returned lse: the prefix's backward runs at flash speed, with no
+``[B, H, T, S]`` score tensor and in the inputs' dtype. On CPU it is the differentiable reference
+attention, so the very same code is checked exactly in float64 on any backend.
+
+``dq`` is summed over the blocks (in float32, float64 for float64 q) and returned to autograd;
+``dk_b`` and ``dv_b`` are **added in place** into ``k_grad[:, block]`` / ``v_grad[:, block]``, the
+one gradient buffer per layer that SeCO's reverse sweep relays to earlier chunks.
 """
 
 from __future__ import annotations
@@ -79,26 +88,10 @@ def _blocks(length: int, block_size: int):
     return ((start, min(start + block_size, length)) for start in range(0, length, block_size))
 
 
-def _read(store: torch.Tensor, start: int, end: int, device: torch.device,
-          dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``store[:, start:end]`` on ``device`` (a view when it is already there)."""
+def _read(store: torch.Tensor, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """``store[:, start:end]`` on ``device``, in the store's dtype (a view when it is already there)."""
     block = store[:, start:end]
-    return block.to(device=device, dtype=dtype or block.dtype, non_blocking=block.is_pinned())
-
-
-def _block_backward(q, k, v, o, lse, d_o, d_lse, scale):
-    """Gradients of one prefix block. ``q [B,T,Hk,G,D]``, ``k [B,S,Hk,D]``, ``v [B,S,Hk,Dv]``,
-    ``o, d_o [B,T,Hk,G,Dv]``, ``lse, d_lse [B,Hk,G,T,1]`` (all in the compute dtype) ->
-    ``(dq [B,T,Hk,G,D], dk [B,S,Hk,D], dv [B,S,Hk,Dv])``."""
-    scores = torch.einsum("bthgd,bshd->bhgts", q, k) * scale
-    probs = torch.exp(scores - lse)  # lse = +inf for rows without keys (impossible here): 0, no NaN
-    d_probs = torch.einsum("bthge,bshe->bhgts", d_o, v)
-    delta = (d_o * o).sum(-1).permute(0, 2, 3, 1).unsqueeze(-1)  # rowsum(dO ∘ O) [B,Hk,G,T,1]
-    d_scores = probs * (d_probs - delta + d_lse)
-    dq = torch.einsum("bhgts,bshd->bthgd", d_scores, k) * scale
-    dk = torch.einsum("bhgts,bthgd->bshd", d_scores, q) * scale
-    dv = torch.einsum("bhgts,bthge->bshe", probs, d_o)
-    return dq, dk, dv
+    return block.to(device=device, non_blocking=block.is_pinned())
 
 
 class _BlockPrefixAttention(torch.autograd.Function):
@@ -114,38 +107,47 @@ class _BlockPrefixAttention(torch.autograd.Function):
             o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
         ctx.save_for_backward(q, o, lse)
         ctx.stores = (k_store, v_store, k_grad, v_grad)
-        ctx.meta = (length, block_size, scale)
+        ctx.meta = (length, block_size, scale, backend)
         return o, lse
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
+        """``d_o [B, T, H, Dv]`` (q.dtype), ``d_lse [B, T, H]`` (lse's dtype) -> ``dq [B, T, H, D]``
+        in q.dtype; ``dk_b [B, S, Hk, D]`` / ``dv_b [B, S, Hk, Dv]`` of each block (GQA: the op
+        sums them over the G query heads of a K/V head) are added into the buffers instead."""
         q, o, lse = ctx.saved_tensors
         k_store, v_store, k_grad, v_grad = ctx.stores
-        length, block_size, scale = ctx.meta
-        batch, steps, heads, dim = q.shape
-        kv_heads, dim_v = k_store.shape[2], v_store.shape[3]
-        groups = heads // kv_heads
-        dtype = torch.promote_types(torch.float32, q.dtype)
-        if d_o is None:
-            d_o = torch.zeros_like(o)
-        q_g = q.to(dtype).view(batch, steps, kv_heads, groups, dim)
-        o_g = o.to(dtype).view(batch, steps, kv_heads, groups, dim_v)
-        d_o_g = d_o.to(dtype).view(batch, steps, kv_heads, groups, dim_v)
-
-        def rows(t):  # [B, T, H] -> [B, Hk, G, T, 1]
-            return t.to(dtype).view(batch, steps, kv_heads, groups).permute(0, 2, 3, 1).unsqueeze(-1)
-
-        lse_g = rows(torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))))
-        d_lse_g = rows(d_lse) if d_lse is not None else torch.zeros_like(lse_g)
-        dq = torch.zeros_like(q_g)
+        length, block_size, scale, backend = ctx.meta
+        need_q = ctx.needs_input_grad[0]
+        if not (need_q or k_grad is not None or v_grad is not None):
+            return (None,) * 9
+        dtype = torch.promote_types(torch.float32, q.dtype)  # the merge's compute dtype
+        o_p = o.to(dtype)
+        d_o_p = torch.zeros_like(o_p) if d_o is None else d_o.to(dtype)
+        d_lse_p = torch.zeros_like(lse, dtype=dtype) if d_lse is None else d_lse.to(dtype)
+        # rows without any key (impossible for P >= 1): lse_p = +inf makes every w_b = 0, no NaN
+        lse_p = lse.to(dtype)
+        lse_p = torch.where(torch.isfinite(lse_p), lse_p, torch.full_like(lse_p, float("inf")))
+        q_leaf = q.detach().requires_grad_(need_q)
+        dq = torch.zeros_like(q, dtype=dtype) if need_q else None
         for start, end in _blocks(length, block_size):
-            k_block = _read(k_store, start, end, q.device, dtype)
-            v_block = _read(v_store, start, end, q.device, dtype)
-            dq_b, dk_b, dv_b = _block_backward(q_g, k_block, v_block, o_g, lse_g, d_o_g, d_lse_g, scale)
-            dq += dq_b
+            k_b = _read(k_store, start, end, q.device).detach().requires_grad_(k_grad is not None)
+            v_b = _read(v_store, start, end, q.device).detach().requires_grad_(v_grad is not None)
+            with torch.enable_grad():  # recompute the block's forward, exactly as forward() ran it
+                o_b, lse_b = attention(q_leaf, k_b[:, :0], v_b[:, :0], prefix=(k_b, v_b),
+                                       scale=scale, return_lse=True, backend=backend)
+            with torch.no_grad():
+                w_b = torch.exp(lse_b.to(dtype) - lse_p)  # [B, T, H]
+                d_o_b = w_b.unsqueeze(-1) * d_o_p
+                d_lse_b = d_lse_p + (d_o_p * (o_b.to(dtype) - o_p)).sum(-1)
+                d_lse_b = torch.where(w_b > 0, w_b * d_lse_b, torch.zeros_like(d_lse_b))
+            inputs = [t for t in (q_leaf, k_b, v_b) if t.requires_grad]
+            grads = list(torch.autograd.grad((o_b, lse_b), inputs,
+                                             (d_o_b.to(o_b.dtype), d_lse_b.to(lse_b.dtype))))
+            if need_q:
+                dq += grads.pop(0)
             if k_grad is not None:
-                k_grad[:, start:end] += dk_b.to(k_grad.dtype)
+                k_grad[:, start:end] += grads.pop(0).to(k_grad.dtype)
             if v_grad is not None:
-                v_grad[:, start:end] += dv_b.to(v_grad.dtype)
-        dq = dq.view(batch, steps, heads, dim).to(q.dtype) if ctx.needs_input_grad[0] else None
-        return dq, None, None, None, None, None, None, None, None
+                v_grad[:, start:end] += grads.pop(0).to(v_grad.dtype)
+        return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None

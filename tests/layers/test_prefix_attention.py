@@ -1,0 +1,124 @@
+"""Blockwise prefix attention (SeCO's prefix part): its backward, checked in float64 against plain
+autograd through the reference attention of the whole ``[prefix; chunk]`` sequence.
+
+tests/training/test_seco.py already checks the prefix part alone (GQA, several block sizes, a loss on
+o and lse); these tests check it merged with the chunk's own causal part as the attention layer
+merges them, H == Hk, the gradient buffers left out, and that the backward recomputes each block
+through the attention kernel op (the fused flex_attention backward on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridzoo.kernels import merge_attention
+from hybridzoo.kernels.reference.attention import attention as reference_attention
+from hybridzoo.layers import prefix_attention
+from hybridzoo.layers.prefix_attention import block_prefix_attention
+from hybridzoo.utils import rel_err
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+B, P, T, CAPACITY, D, DV, SCALE = 2, 10, 5, 13, 8, 6, 0.4  # store positions P.. are not the prefix
+
+
+def inputs(seed: int, heads: int, kv_heads: int):
+    """Random float64 ``q [B,T,H,D]``, stores ``[B,CAPACITY,Hk,D|DV]``, the chunk's own k, v and
+    loss weights for the merged o and lse."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return dict(q=randn(B, T, heads, D), k_store=randn(B, CAPACITY, kv_heads, D),
+                v_store=randn(B, CAPACITY, kv_heads, DV), k_own=randn(B, T, kv_heads, D),
+                v_own=randn(B, T, kv_heads, DV), w_o=randn(B, T, heads, DV), w_lse=randn(B, T, heads))
+
+
+def full_autograd(x):
+    """Ground truth: causal reference attention over the concatenated ``[prefix; chunk]`` sequence
+    (the prefix positions get zero queries whose outputs are not used); returns the grads of
+    ``q``, the prefix keys/values ``[B, P, ...]`` and the chunk's own keys/values."""
+    heads = x["q"].shape[2]
+    q = x["q"].clone().requires_grad_()
+    k = torch.cat([x["k_store"][:, :P], x["k_own"]], 1).requires_grad_()
+    v = torch.cat([x["v_store"][:, :P], x["v_own"]], 1).requires_grad_()
+    q_all = torch.cat([q.new_zeros(B, P, heads, D), q], 1)
+    o, lse = reference_attention(q_all, k, v, scale=SCALE, return_lse=True)
+    ((o[:, P:] * x["w_o"]).sum() + (lse[:, P:] * x["w_lse"]).sum()).backward()
+    return q.grad, k.grad[:, :P], v.grad[:, :P], k.grad[:, P:], v.grad[:, P:]
+
+
+def seco_way(x, block_size, *, buffers=True, seed=0):
+    """The attention layer's SeCO path: blockwise prefix part merged with the chunk's own causal
+    part. Buffers are pre-filled with random values; returns (q.grad, own k/v grads, buffers,
+    their pre-fill)."""
+    q = x["q"].clone().requires_grad_()
+    k_own, v_own = x["k_own"].clone().requires_grad_(), x["v_own"].clone().requires_grad_()
+    g = torch.Generator().manual_seed(1000 + seed)
+    fill = (torch.randn(x["k_store"].shape, generator=g, dtype=torch.float64),
+            torch.randn(x["v_store"].shape, generator=g, dtype=torch.float64)) if buffers else (None, None)
+    k_grad, v_grad = (fill[0].clone(), fill[1].clone()) if buffers else (None, None)
+    o, lse = reference_attention(q, k_own, v_own, scale=SCALE, return_lse=True)
+    o_p, lse_p = block_prefix_attention(q, x["k_store"], x["v_store"], P, block_size=block_size,
+                                        scale=SCALE, k_grad=k_grad, v_grad=v_grad)
+    o, lse = merge_attention(o_p, lse_p, o, lse)
+    ((o * x["w_o"]).sum() + (lse * x["w_lse"]).sum()).backward()
+    return q.grad, k_own.grad, v_own.grad, (k_grad, v_grad), fill
+
+
+HEADS = pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
+
+
+@HEADS
+@pytest.mark.parametrize("block_size", [1, 3, 4, P, 64])  # 3, 4 do not divide P; P and 64 >= P
+def test_merged_with_own_part_matches_full_autograd_and_accumulates(block_size, heads, kv_heads):
+    x = inputs(block_size + 10 * heads, heads, kv_heads)
+    dq_ref, dk_ref, dv_ref, dk_own_ref, dv_own_ref = full_autograd(x)
+    dq, dk_own, dv_own, (k_grad, v_grad), (k_fill, v_fill) = seco_way(x, block_size, seed=block_size)
+    assert rel_err(dq, dq_ref) <= 1e-10
+    assert rel_err(dk_own, dk_own_ref) <= 1e-10 and rel_err(dv_own, dv_own_ref) <= 1e-10
+    # the prefix's part is added onto what the buffers held; positions past P are left as they were
+    assert rel_err(k_grad[:, :P] - k_fill[:, :P], dk_ref) <= 1e-10
+    assert rel_err(v_grad[:, :P] - v_fill[:, :P], dv_ref) <= 1e-10
+    assert torch.equal(k_grad[:, P:], k_fill[:, P:]) and torch.equal(v_grad[:, P:], v_fill[:, P:])
+
+
+@HEADS
+@pytest.mark.parametrize("block_size", [3, 64])
+def test_without_buffers_dq_is_still_right(block_size, heads, kv_heads):
+    x = inputs(7 + block_size, heads, kv_heads)
+    dq_ref = full_autograd(x)[0]
+    dq, *_ = seco_way(x, block_size, buffers=False)
+    assert rel_err(dq, dq_ref) <= 1e-10
+
+
+@pytest.mark.parametrize("buffers", [True, False])
+def test_backward_recomputes_each_block_through_the_kernel_op(monkeypatch, buffers):
+    """The backward is autograd through the forward's own ``attention`` call (so CUDA gets the fused
+    flex_attention backward): once per block, grad enabled, the prefix-only form with lse, the same
+    backend, detached leaf blocks that require grad only when their buffer is given."""
+    calls = []
+    kernel = prefix_attention.attention
+
+    def spy(q, k, v, *, prefix, scale, return_lse, backend):
+        calls.append(dict(grad=torch.is_grad_enabled(), k_len=k.shape[1], block=prefix[0].shape[1],
+                          return_lse=return_lse, backend=backend, scale=scale,
+                          leaves=all(t.grad_fn is None for t in (q, *prefix)),
+                          needs=tuple(t.requires_grad for t in (q, *prefix))))
+        return kernel(q, k, v, prefix=prefix, scale=scale, return_lse=return_lse, backend=backend)
+
+    monkeypatch.setattr(prefix_attention, "attention", spy)
+    x = inputs(3, 4, 2)
+    k_grad, v_grad = (torch.zeros_like(x["k_store"]), torch.zeros_like(x["v_store"])) if buffers else (None, None)
+    q = x["q"].clone().requires_grad_()
+    o, lse = block_prefix_attention(q, x["k_store"], x["v_store"], P, block_size=4, scale=SCALE,
+                                    k_grad=k_grad, v_grad=v_grad, backend="reference")
+    assert [c["grad"] for c in calls] == [False] * 3
+    calls.clear()
+    ((o * x["w_o"]).sum() + (lse * x["w_lse"]).sum()).backward()
+    assert [c["block"] for c in calls] == [4, 4, 2]
+    for c in calls:
+        assert c["grad"] and c["k_len"] == 0 and c["return_lse"] and c["backend"] == "reference"
+        assert c["scale"] == SCALE and c["leaves"] and c["needs"] == (True, buffers, buffers)
