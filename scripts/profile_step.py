@@ -1,0 +1,56 @@
+"""Profile one training step (forward + backward) of a recipe on CUDA: the top kernels by GPU time.
+
+    python3 scripts/profile_step.py gated-deltanet-340m --tokens 8192 --out $OUT/profile.txt
+
+fp32 weights, bf16 autocast, batch 1, random tokens, one warm-up step (compilation) then one
+profiled step; prints the step time and the table of the 30 kernels that took the most GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybridzoo import HybridLM  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = HybridLM.from_recipe(args.recipe).cuda()
+    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids)[2]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    text = f"{args.recipe}: {args.tokens} tokens, step {wall * 1e3:.1f} ms ({args.tokens / wall:,.0f} tokens/s)\n{table}"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
