@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
-from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.base import Mixer, activation_dtype
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -168,8 +168,11 @@ class GatedDeltaNet(Mixer):
         compute = state_dtype(x.dtype)                                      # float32 (float64)
         qkv, conv_tail = self.conv1d(self.in_proj_qkv(x), None if state is None else state.conv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = (_l2norm(t.unflatten(-1, (Hk, K)).to(compute)) for t in (q, k))   # [B, T, Hk, K]
-        v = v.unflatten(-1, (H, V))                                         # [B, T, H, V]
+        # q, k normalised in float32, then handed to the kernel in the activation dtype (bf16
+        # under autocast: tensor-core dots; float32 q/k would force exact fp32 dots, ~10x slower)
+        act = activation_dtype(x)
+        q, k = (_l2norm(t.unflatten(-1, (Hk, K)).to(compute)).to(act) for t in (q, k))  # [B, T, Hk, K]
+        v = v.unflatten(-1, (H, V)).to(act)                                 # [B, T, H, V]
         z = self.in_proj_z(x).unflatten(-1, (H, V))
         beta = self.in_proj_b(x).to(compute).sigmoid()                      # [B, T, H]
         log_a = -self.A_log.to(compute).exp() * F.softplus(

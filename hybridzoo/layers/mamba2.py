@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.base import Mixer, activation_dtype
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -152,7 +152,9 @@ class Mamba2(Mixer):
         if tuple(self.config.time_step_limit) != (0.0, float("inf")):
             dt = dt.clamp(*self.config.time_step_limit)
         log_a = dt * -torch.exp(self.A_log.to(compute))                     # Δ A <= 0
-        v = xs.to(compute) * dt[..., None]                                  # Δ x: [B, T, H, P]
+        # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
+        # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
+        v = (xs.to(compute) * dt[..., None]).to(activation_dtype(x))       # Δ x: [B, T, H, P]
         if length == 1 and state is not None:
             y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0],
                                             state.recurrent, scale=1.0)

@@ -266,7 +266,9 @@ def chunk_delta_rule(
     """Chunkwise gated delta rule, Triton kernels (forward and backward); same contract as the reference.
 
     Args:
-        q, k: ``[B, T, Hk, K]`` bf16/fp16/fp32, ``K <= 256`` (k is usually L2-normalised).
+        q, k: ``[B, T, Hk, K]`` bf16/fp16/fp32, ``K <= 256`` (k is usually L2-normalised); cast
+            to v's dtype when they differ (so 16-bit v means tensor-core dots, as in
+            ``chunk_linear_attn``).
         v: ``[B, T, H, V]`` with ``H % Hk == 0``; value head ``h`` uses q/k head ``h // (H // Hk)``.
         log_a: ``[B, T, H]`` (``<= 0``; ``-inf`` resets the state) or None (no decay).
         beta: ``[B, T, H]`` write strengths.
@@ -305,6 +307,7 @@ def chunk_delta_rule(
     else:
         log_a_in = log_a.contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    q, k = q.to(v.dtype), k.to(v.dtype)  # the dots' precision follows v (see _Config.prec)
     o, final_state = _ChunkDeltaRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_a_in,
                                            beta.contiguous(), h0, scale, chunk_size)
     return o, (final_state if output_final_state else None)
