@@ -185,12 +185,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}-kernels-h200.json")
     parser.add_argument("--only", default=None, help="comma-separated substrings: run the cases whose name holds one")
+    parser.add_argument("--append", action="store_true", help="keep the rows already in --out (same case and "
+                        "shape rows are replaced)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     rows = []
+    if args.append and Path(args.out).is_file():
+        rows = json.loads(Path(args.out).read_text()).get("rows", [])
     for name, shape, build in CASES:
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
+        rows = [r for r in rows if (r["case"], r["shape"]) != (name, shape)]
         row = {"case": name, "shape": shape}
         try:
             ours, anchor, grads, inputs, floor_bytes = build()

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Run named jobs on the GPUs of a device machine in one call, lane by lane, and always bring the
+# results back: every job writes under /tmp/res/<job>/, and at the deadline (or when all lanes
+# finish) everything is packed into $OUT/results.tar.gz, with $OUT/summary.txt (the tail of each
+# log). The device returns at most 8 files, so one archive holds them all.
+#
+#   bash scripts/gpu_jobs.sh "<jobs of GPU 0>" ["<jobs of GPU 1>" ...]
+#
+# Jobs (space separated, run in order within a lane; a lane is one GPU):
+#   tests[=<pytest args>]        pytest -m gpu (default: tests), 150 s per test, stack dump at 60 s
+#   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
+#   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py --resume into seco_<recipe>.json
+#                                (a previous one under .gpu_in/, carried, is continued)
+#   mqar=<recipes>               scripts/mqar_sweep.py --setting gpu $MQAR_ARGS for those recipes
+#   profile=<recipe>@<tokens>    scripts/profile_step.py
+# mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
+# jobs wait for it. DEADLINE_S (default 560) bounds the whole call; JOB_S (default 300) each job.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$OUT" "$RES"
+START=$(date +%s); DEADLINE_S=${DEADLINE_S:-560}; JOB_S=${JOB_S:-300}
+source scripts/gpu_setup.sh > "$RES/setup.log" 2>&1
+[ -d .gpu_in ] && cp -r .gpu_in/. "$RES/" 2>/dev/null
+if echo "$*" | grep -Eq "mamba|selective|conv"; then
+  (MAX_JOBS=12 bash scripts/build_mamba.sh > "$RES/mamba_build.log" 2>&1; touch "$RES/.mamba_done") &
+else
+  touch "$RES/.mamba_done"
+fi
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - START) - 15 )); }
+limit() { local l; l=$(left); [ "$l" -lt "$JOB_S" ] && echo "$l" || echo "$JOB_S"; }
+wait_mamba() { while [ ! -e "$RES/.mamba_done" ]; do sleep 2; done; }
+
+run_job() {  # $1 = job spec; runs on the lane's GPU
+  local spec=$1 name=${1%%=*} arg=${1#*=} lim; lim=$(limit)
+  [ "$lim" -le 20 ] && { echo "$spec: no time left" >> "$RES/skipped.txt"; return; }
+  [ "$arg" = "$spec" ] && arg=""
+  echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
+  case $name in
+    tests) wait_mamba; timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
+             -o faulthandler_timeout=60 --durations=0 ${arg:-tests} > "$RES/tests_$CUDA_VISIBLE_DEVICES.log" 2>&1 ;;
+    bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
+           timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
+             >> "$RES/bench_kernels.log" 2>&1 ;;
+    seco) IFS=@ read -r recipe lengths modes <<< "$arg"
+          timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
+            ${modes:+--modes $modes} --resume --out "$RES/seco_$recipe.json" >> "$RES/seco_$recipe.log" 2>&1 ;;
+    mqar) timeout "$lim" python3 scripts/mqar_sweep.py --setting gpu --device cuda --recipes "$arg" ${MQAR_ARGS:-} \
+            --out-dir "$RES/mqar_$CUDA_VISIBLE_DEVICES" --name mqar --runs-dir /tmp/mqar_runs \
+            > "$RES/mqar_$CUDA_VISIBLE_DEVICES.log" 2>&1 ;;
+    profile) IFS=@ read -r recipe tokens <<< "$arg"
+             timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" \
+               --out "$RES/profile_$recipe.txt" > "$RES/profile_$recipe.log" 2>&1 ;;
+    *) echo "unknown job $spec" >> "$RES/skipped.txt" ;;
+  esac
+  local rc=$?
+  echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec exit $rc" >> "$RES/timeline.txt"
+}
+
+pids=()
+gpu=0
+for lane in "$@"; do
+  ( export CUDA_VISIBLE_DEVICES=$gpu; for job in $lane; do run_job "$job"; done ) &
+  pids+=($!); gpu=$((gpu + 1))
+done
+while [ "$(left)" -gt 0 ] && [ -n "$(jobs -rp)" ]; do
+  alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break; sleep 3
+done
+for p in "${pids[@]}"; do pkill -TERM -P "$p" 2>/dev/null; done; sleep 2
+{ cat "$RES/timeline.txt" "$RES/skipped.txt" 2>/dev/null
+  for f in "$RES"/*.log "$RES"/*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 15 "$f" | cut -c1-240; }; done
+} > "$OUT/summary.txt"
+rm -rf /tmp/res_pack && cp -r "$RES" /tmp/res_pack && tar czf "$OUT/results.tar.gz" -C /tmp/res_pack .
+cat "$OUT/summary.txt" | tail -n 120
