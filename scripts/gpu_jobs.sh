@@ -13,6 +13,8 @@
 #                                (a previous one under .gpu_in/, carried, is continued)
 #   mqar=<recipes>               scripts/mqar_sweep.py --setting gpu $MQAR_ARGS for those recipes
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
+# LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
+# MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
 # mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
 # jobs wait for it. DEADLINE_S (default 560) bounds the whole call; JOB_S (default 300) each job.
 set -u
@@ -38,7 +40,7 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
     tests) wait_mamba; timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
-             -o faulthandler_timeout=60 --durations=0 ${arg:-tests} > "$RES/tests_$CUDA_VISIBLE_DEVICES.log" 2>&1 ;;
+             -o faulthandler_timeout=60 --durations=0 ${arg:-tests} > "$RES/tests_$LANE.log" 2>&1 ;;
     bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
@@ -46,8 +48,8 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
           timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
             ${modes:+--modes $modes} --resume --out "$RES/seco_$recipe.json" >> "$RES/seco_$recipe.log" 2>&1 ;;
     mqar) timeout "$lim" python3 scripts/mqar_sweep.py --setting gpu --device cuda --recipes "$arg" ${MQAR_ARGS:-} \
-            --out-dir "$RES/mqar_$CUDA_VISIBLE_DEVICES" --name mqar --runs-dir /tmp/mqar_runs \
-            > "$RES/mqar_$CUDA_VISIBLE_DEVICES.log" 2>&1 ;;
+            --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
+            > "$RES/mqar_$LANE.log" 2>&1 ;;
     profile) IFS=@ read -r recipe tokens <<< "$arg"
              timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" \
                --out "$RES/profile_$recipe.txt" > "$RES/profile_$recipe.log" 2>&1 ;;
@@ -58,10 +60,11 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
 }
 
 pids=()
-gpu=0
+read -r -a lane_gpus <<< "${LANE_GPUS:-$(seq -s ' ' 0 $(($# - 1)))}"
+i=0
 for lane in "$@"; do
-  ( export CUDA_VISIBLE_DEVICES=$gpu; for job in $lane; do run_job "$job"; done ) &
-  pids+=($!); gpu=$((gpu + 1))
+  ( export CUDA_VISIBLE_DEVICES=${lane_gpus[$i]} LANE=$i; for job in $lane; do run_job "$job"; done ) &
+  pids+=($!); i=$((i + 1))
 done
 while [ "$(left)" -gt 0 ] && [ -n "$(jobs -rp)" ]; do
   alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
