@@ -4,9 +4,12 @@ Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` at the benchmark shape
 assembled by the ``ptxas`` that ships with Triton (``ptxas -v``), which reports registers per
 thread, spill stores/loads and stack; Triton reports the shared memory. A kernel that spills
 kilobytes per thread is slow whatever else is right: this is how the exact-fp32 (``ieee``) dots
-of the delta rule's state kernels were seen to spill 15 KB per thread (they ran 30x too slow).
+of the delta rule's state kernels were seen to spill 16-27 KB per thread (they ran ~30x too slow on
+an H200), which is why float32 inputs now use 3xTF32 dots.
 
     python scripts/kernel_resources.py            # the table below, about a minute on one core
+    python scripts/kernel_resources.py --all      # every kernel of both ops at the largest head
+                                                  # sizes, bf16 and fp32: shared memory must fit
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -54,8 +58,8 @@ def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 
 def cases():
     """(name, kernel, types, constexprs, warps, stages) at the benchmark shapes (K 128, V 256 for
     the delta rule as in gated-deltanet-340m; K = V = 128 for linear attention)."""
-    for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
-        ptr = f"*{dt}"
+    for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        ptr, prec = f"*{dt}", linear_attn._prec(torch_dtype)  # the precision the ops use
         cfg = dict(H=6, G=1, K=128, V=256, C=64, BK=128, BV=64, PREC=prec)
         warps, stages = 8, 1  # delta_rule._Config for BK = 128
         yield (f"delta_rule _state_fwd_kernel {dt}", delta_rule._state_fwd_kernel,
@@ -77,7 +81,52 @@ def cases():
                 "scale": "fp32", "T": "i32", "NT": "i32"}, la, 4, 3)
 
 
+INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32)
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+
+
+def all_kernels():
+    """Every Triton kernel of the linear-attention and delta-rule ops, with the largest head sizes
+    the ops take (K = V = 256) and the launch settings the ops use, for bf16 and fp32 inputs."""
+    import inspect
+
+    import hybridzoo.kernels.triton.linear_attn_bwd as linear_attn_bwd
+
+    for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        prec = linear_attn._prec(torch_dtype)
+        values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
+                      DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
+                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0)
+        for module, warps, stages in ((linear_attn, 4, 3), (linear_attn_bwd, 4, 3), (delta_rule, 8, 1),
+                                      (delta_rule_bwd, 8, 1)):
+            for name, kernel in vars(module).items():
+                if (type(kernel).__name__ != "JITFunction" or kernel.__module__ != module.__name__
+                        or not name.endswith("_kernel")):
+                    continue
+                params = inspect.signature(kernel.fn).parameters
+                constexprs = {p: values[p] for p in params if "constexpr" in str(params[p].annotation)}
+                if module in (delta_rule, delta_rule_bwd):
+                    constexprs.update(BK=256, BV=32) if "BK" in constexprs else None
+                    constexprs = {k: v for k, v in constexprs.items() if k in params}
+                types = {p: ("i32" if p in ("T", "N", "NT") else "fp32" if p == "scale"
+                             else f"*{dt}" if p.removesuffix("_ptr") in INPUTS else "*fp32")
+                         for p in params if p not in constexprs}
+                yield f"{module.__name__.rsplit('.', 1)[-1]}.{name} {dt}", kernel, types, constexprs, warps, stages
+
+
 def main() -> int:
+    if "--all" in sys.argv[1:]:
+        bad = 0
+        for name, kernel, types, constexprs, warps, stages in all_kernels():
+            try:
+                r = resources(kernel, types, constexprs, warps, stages)
+                flag = "OVER THE SHARED-MEMORY LIMIT" if r["shared"] > SHARED_LIMIT else ""
+            except Exception as error:
+                r, flag = {}, f"error: {type(error).__name__}: {str(error)[:150]}"
+            bad += bool(flag)
+            print(f"{name:50s} shared {r.get('shared')!s:>7s} regs {r.get('registers')!s:>4s} "
+                  f"spills {r.get('spill_stores')!s:>6s} {flag}", flush=True)
+        return 1 if bad else 0
     print(f"{'kernel':42s} {'warps':>5s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'stack':>6s} {'shared':>7s}")
     for name, kernel, types, constexprs, warps, stages in cases():
         try:

@@ -11,7 +11,7 @@ chunk start, ``e``: decay to the chunk end, ``γ_C``: the whole chunk's decay)::
 
 Decays are in-chunk sums of ``log_a`` built with additions only (``Γ`` from a masked cumulative
 sum, as :func:`~hybridzoo.kernels.reference.segsum.segsum`), so ``log_a = -inf`` gives 0, never
-NaN. States are float32; matrix products accumulate in float32 (IEEE for float32 inputs, TF32
+NaN. States are float32; matrix products accumulate in float32 (3xTF32 for float32 inputs, TF32
 for bf16/fp16 inputs). The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W, U0`` and the
 chunk states from the saved inputs instead of storing them.
 
@@ -193,7 +193,9 @@ class _Config:
         self.BK = max(16, triton.next_power_of_2(self.K))
         self.BV = min(max(16, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
         self.NV = triton.cdiv(self.V, self.BV)
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        # float32 inputs: 3xTF32 (float32 accuracy on tensor cores); exact "ieee" dots made ptxas
+        # spill 16-27 KB per thread here (scripts/kernel_resources.py). 16-bit inputs: tensor cores.
+        self.prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
         self.warps = 4 if self.BK <= 64 else 8
         # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).

@@ -23,7 +23,8 @@ Numerics: every exponent is mathematically ≤ 0 and is clamped at 0 before ``ex
 rows can never overflow); ``log_a`` is clamped below at ``LOG_A_MIN = -110`` (``exp`` of which
 is 0 in float32), so a reset (``-inf``) gives exactly 0 and never NaN; the gradient w.r.t. a
 clamped ``log_a`` is 0. Dots run on the input dtype (bf16/fp16 tensor cores) with fp32
-accumulation; fp32 inputs use ``input_precision="ieee"`` (no tf32). States are fp32.
+accumulation; fp32 inputs use ``input_precision="tf32x3"`` (float32 accuracy on tensor cores;
+exact "ieee" dots spilled up to 37 KB per thread, see scripts/kernel_resources.py). States are fp32.
 
 Backward (``linear_attn_bwd.py``) recomputes ``b`` and the chunk-boundary states (one state per
 chunk, none per token) and gets ``dlog_a`` from the closed form of
@@ -241,8 +242,9 @@ def _fwd_o_kernel(q, k, v, b, h, A, o, scale, T, NT, H: tl.constexpr, HK: tl.con
 # ----------------------------------------------------------------------------------- launchers
 
 def _prec(dtype: torch.dtype) -> str:
-    """fp32 inputs: exact fp32 dots (tf32 would miss the 1e-4 bar); 16-bit inputs: tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 inputs: 3xTF32 dots (float32 accuracy; one tf32 pass would miss the 1e-4 bar, exact
+    "ieee" dots spill); 16-bit inputs: tensor cores."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _decay_kind(log_a: torch.Tensor | None) -> int:
