@@ -75,10 +75,10 @@ def cases():
         yield (f"linear_attn _fwd_h_kernel {dt}", linear_attn._fwd_h_kernel,
                {"k": ptr, "v": ptr, "b": "*fp32", "h": "*fp32", "h0": "*fp32", "hT": "*fp32", "T": "i32",
                 "NT": "i32"},
-               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), 4, 3)
+               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), linear_attn.WARPS, 3)
         yield (f"linear_attn _fwd_o_kernel {dt}", linear_attn._fwd_o_kernel,
                {"q": ptr, "k": ptr, "v": ptr, "b": "*fp32", "h": "*fp32", "A": "*fp32", "o": ptr,
-                "scale": "fp32", "T": "i32", "NT": "i32"}, la, 4, 3)
+                "scale": "fp32", "T": "i32", "NT": "i32"}, la, linear_attn.WARPS, 3)
 
 
 INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32)
@@ -97,7 +97,8 @@ def all_kernels():
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
                       STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0)
-        for module, warps, stages in ((linear_attn, 4, 3), (linear_attn_bwd, 4, 3), (delta_rule, 8, 1),
+        for module, warps, stages in ((linear_attn, linear_attn.WARPS, 3), (linear_attn_bwd, linear_attn.WARPS, 3),
+                                      (delta_rule, 8, 1),
                                       (delta_rule_bwd, 8, 1)):
             for name, kernel in vars(module).items():
                 if (type(kernel).__name__ != "JITFunction" or kernel.__module__ != module.__name__
@@ -111,7 +112,9 @@ def all_kernels():
                 types = {p: ("i32" if p in ("T", "N", "NT") else "fp32" if p == "scale"
                              else f"*{dt}" if p.removesuffix("_ptr") in INPUTS else "*fp32")
                          for p in params if p not in constexprs}
-                yield f"{module.__name__.rsplit('.', 1)[-1]}.{name} {dt}", kernel, types, constexprs, warps, stages
+                launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
+                yield (f"{module.__name__.rsplit('.', 1)[-1]}.{name} {dt}", kernel, types, constexprs, launch_warps,
+                       stages)
 
 
 def main() -> int:

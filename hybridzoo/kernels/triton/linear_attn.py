@@ -49,6 +49,10 @@ __all__ = ["chunk_linear_attn", "SUPPORTED_CHUNK_SIZES"]
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
 SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
+# Warps per program of every chunk kernel (64-wide tiles): with Triton's default of 4, ptxas spills
+# up to 3.4 KB per thread in the backward at K = V = 128 in bf16; with 8 none spills more than
+# 260 B (``scripts/kernel_resources.py``; settings only, the results do not depend on them).
+WARPS = 8
 
 
 def _interpret() -> bool:
@@ -278,7 +282,7 @@ def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False):
         initial_state if initial_state is not None else dummy, hT if store_final else dummy,
         T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
         HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final, PREC=_prec(v.dtype),
-        NT_LOOP=_loop_count(NT))
+        NT_LOOP=_loop_count(NT), num_warps=WARPS)
     return h, hT
 
 
@@ -288,7 +292,7 @@ def intra_A(q, k, b, H, C):
     A = _new(B, H, T, C, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(T, C), B * H)
     _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=_block(K),
-                          PREC=_prec(q.dtype))
+                          PREC=_prec(q.dtype), num_warps=WARPS)
     return A
 
 
@@ -302,7 +306,7 @@ def fwd_o(q, k, v, b, h, A, scale, decay, C):
     grid = (triton.cdiv(V, BV), NT, B * H)
     _fwd_o_kernel[grid](q, k, v, b if b is not None else dummy, h, A if A is not None else dummy, o,
                         float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
-                        PREC=_prec(v.dtype))
+                        PREC=_prec(v.dtype), num_warps=WARPS)
     return o
 
 
