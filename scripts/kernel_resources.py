@@ -91,14 +91,16 @@ def all_kernels():
     import inspect
 
     import hybridzoo.kernels.triton.linear_attn_bwd as linear_attn_bwd
+    import hybridzoo.kernels.triton.prefix_attention_bwd as prefix_bwd
 
     for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         prec = linear_attn._prec(torch_dtype)
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
-                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0)
+                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0,
+                      D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0)
         for module, warps, stages in ((linear_attn, linear_attn.WARPS, 3), (linear_attn_bwd, linear_attn.WARPS, 3),
-                                      (delta_rule, 8, 1),
+                                      (delta_rule, 8, 1), (prefix_bwd, 8, 3),
                                       (delta_rule_bwd, 8, 1)):
             for name, kernel in vars(module).items():
                 if (type(kernel).__name__ != "JITFunction" or kernel.__module__ != module.__name__
@@ -109,10 +111,16 @@ def all_kernels():
                 if module in (delta_rule, delta_rule_bwd):
                     constexprs.update(BK=256, BV=32) if "BK" in constexprs else None
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
-                types = {p: ("i32" if p in ("T", "N", "NT") else "fp32" if p == "scale"
-                             else f"*{dt}" if p.removesuffix("_ptr") in INPUTS else "*fp32")
+                inputs = {"q", "k", "v", "do"} if module is prefix_bwd else INPUTS
+                types = {p: ("i32" if p in ("T", "N", "NT", "S", "NM", "NN", "stride_kb", "stride_vb")
+                             else "fp32" if p == "scale"
+                             else f"*{dt}" if p.removesuffix("_ptr") in inputs else "*fp32")
                          for p in params if p not in constexprs}
                 launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
+                if module is prefix_bwd:  # the op's own tile choice for 256-wide heads
+                    bm, bn, warps, stages = prefix_bwd._tiles(256, 256, torch_dtype)
+                    constexprs.update(BM=bm, BN=bn)
+                    launch_warps = warps
                 yield (f"{module.__name__.rsplit('.', 1)[-1]}.{name} {dt}", kernel, types, constexprs, launch_warps,
                        stages)
 

@@ -11,7 +11,12 @@ so the prefix is never copied whole and never expanded to the query heads::
 
 Every prefix key is visible to every query (full attention: the queries sit after the prefix).
 
-Backward (given ``dO_p`` and ``dlse_p``, block by block): each block's forward is **recomputed with
+Backward (given ``dO_p`` and ``dlse_p``, block by block). On CUDA (16/32-bit, head sizes 16-256):
+our Triton flash-attention backward,
+:func:`hybridzoo.kernels.triton.prefix_attention_bwd.prefix_block_backward`, straight from the
+merged ``(O_p, lse_p)`` with ``P_b = exp(S_b − lse_p)`` and ``Δ = rowsum(dO_p ∘ O_p) − dlse_p``: no
+block forward is recomputed (at 1M tokens the recomputation would add about a fifth to SeCO's
+attention work). Elsewhere (CPU, float64, other backends), each block's forward is **recomputed with
 autograd through the same** :func:`hybridzoo.kernels.attention` **call** (prefix-only form,
 ``return_lse=True``, same ``backend``) and differentiated with :func:`torch.autograd.grad`. The
 merge ``O_p = Σ_b w_b O_b``, ``lse_p = logsumexp_b lse_b``, ``w_b = exp(lse_b − lse_p)`` hands
@@ -21,11 +26,9 @@ block ``b`` the upstream gradients::
     dlse_b = w_b · (dlse_p + rowsum(dO_p ∘ (O_b − O_p)))
     dq, dk_b, dv_b = autograd.grad((O_b, lse_b), (q, k_b, v_b), (dO_b, dlse_b))
 
-(Inside the attention op this is the flash backward with ``P_b w_b = exp(S_b − lse_p)``.) On CUDA
-the op is torch's compiled ``flex_attention``, whose backward is a fused Triton kernel that also
-takes the gradient of the returned lse: the prefix's backward runs at flash speed, with no
-``[B, H, T, S]`` score tensor and in the inputs' dtype. On CPU it is the differentiable reference
-attention, so the very same code is checked exactly in float64 on any backend.
+(Inside the attention op this is the flash backward with ``P_b w_b = exp(S_b − lse_p)``: the two
+paths compute the same gradients, and the tests check the Triton one against this one.) On CPU the
+op is the differentiable reference attention, checked exactly in float64.
 
 ``dq`` is summed over the blocks (in float32, float64 for float64 q) and returned to autograd;
 ``dk_b`` and ``dv_b`` are **added in place** into ``k_grad[:, block]`` / ``v_grad[:, block]``, the
@@ -121,6 +124,9 @@ class _BlockPrefixAttention(torch.autograd.Function):
         need_q = ctx.needs_input_grad[0]
         if not (need_q or k_grad is not None or v_grad is not None):
             return (None,) * 9
+        if _fused_backward_applies(q, k_store, backend):
+            return _fused_backward(q, o, lse, d_o, d_lse, k_store, v_store, k_grad, v_grad, length,
+                                   block_size, scale, need_q)
         dtype = torch.promote_types(torch.float32, q.dtype)  # the merge's compute dtype
         o_p = o.to(dtype)
         d_o_p = torch.zeros_like(o_p) if d_o is None else d_o.to(dtype)
@@ -151,3 +157,31 @@ class _BlockPrefixAttention(torch.autograd.Function):
             if v_grad is not None:
                 v_grad[:, start:end] += grads.pop(0).to(v_grad.dtype)
         return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None
+
+
+def _fused_backward_applies(q: torch.Tensor, k_store: torch.Tensor, backend: str) -> bool:
+    """The Triton flash backward (no recomputed forward) runs on CUDA for the automatic/torch
+    attention backends, 16/32-bit floats and head sizes 16..256; elsewhere the autograd path."""
+    return (q.is_cuda and backend in ("auto", "torch") and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and 16 <= q.shape[-1] <= 256 and 16 <= k_store.shape[-1] <= 256)
+
+
+def _fused_backward(q, o, lse, d_o, d_lse, k_store, v_store, k_grad, v_grad, length, block_size, scale,
+                    need_q):
+    """Per block, :func:`hybridzoo.kernels.triton.prefix_attention_bwd.prefix_block_backward`
+    from the merged ``(o, lse)``: the flash-attention backward, no forward recomputed."""
+    from hybridzoo.kernels.triton.prefix_attention_bwd import prefix_block_backward
+
+    d_o = torch.zeros_like(o) if d_o is None else d_o
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_q else None
+    for start, end in _blocks(length, block_size):
+        k_b = _read(k_store, start, end, q.device).to(q.dtype)
+        v_b = _read(v_store, start, end, q.device).to(q.dtype)
+        dq_b, dk_b, dv_b = prefix_block_backward(q, k_b, v_b, o, lse, d_o, d_lse, scale)
+        if need_q:
+            dq += dq_b
+        if k_grad is not None:
+            k_grad[:, start:end] += dk_b.to(k_grad.dtype)
+        if v_grad is not None:
+            v_grad[:, start:end] += dv_b.to(v_grad.dtype)
+    return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None

@@ -122,3 +122,92 @@ def test_backward_recomputes_each_block_through_the_kernel_op(monkeypatch, buffe
     for c in calls:
         assert c["grad"] and c["k_len"] == 0 and c["return_lse"] and c["backend"] == "reference"
         assert c["scale"] == SCALE and c["leaves"] and c["needs"] == (True, buffers, buffers)
+
+
+# ---- the Triton flash backward (CUDA path), run here by Triton's interpreter -----------------------
+@HEADS
+@pytest.mark.parametrize("block_size", [3, P])
+def test_triton_backward_matches_full_autograd(block_size, heads, kv_heads, monkeypatch):
+    """The fused path (chosen on CUDA) forced on the CPU: float32 through the interpreter against
+    the float64 ground truth; it must run once per block and never recompute a block's forward."""
+    from hybridzoo.kernels.triton import prefix_attention_bwd
+
+    calls = []
+    kernel = prefix_attention_bwd.prefix_block_backward
+    monkeypatch.setattr(prefix_attention_bwd, "prefix_block_backward",
+                        lambda *args: calls.append(args[1].shape[1]) or kernel(*args))
+    monkeypatch.setattr(prefix_attention, "_fused_backward_applies", lambda *args: True)
+    monkeypatch.setattr(prefix_attention, "attention", _no_grad_only(prefix_attention.attention))
+    x = inputs(7 + block_size, heads, kv_heads)
+    dq_ref, dk_ref, dv_ref, dk_own_ref, dv_own_ref = full_autograd(x)
+    x32 = {name: t.float() for name, t in x.items()}
+    dq, dk_own, dv_own, (k_grad, v_grad), (k_fill, v_fill) = seco_way(x32, block_size, seed=3)
+    assert calls == [min(block_size, P - s) for s in range(0, P, block_size)]
+    assert rel_err(dq, dq_ref) <= 1e-5 and rel_err(dk_own, dk_own_ref) <= 1e-5
+    assert rel_err(k_grad[:, :P] - k_fill[:, :P], dk_ref) <= 1e-5
+    assert rel_err(v_grad[:, :P] - v_fill[:, :P], dv_ref) <= 1e-5
+    assert torch.equal(k_grad[:, P:], k_fill[:, P:])  # past the prefix: untouched
+
+
+def _no_grad_only(op):
+    """The attention op, refusing to run with grad enabled (the fused backward recomputes nothing)."""
+    def wrapped(*args, **kwargs):
+        assert not torch.is_grad_enabled() or not any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:3]), "block forward recomputed"
+        return op(*args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (16, 24), (64, 64)], ids=["d16", "d16-dv24", "d64"])
+def test_triton_block_backward_kernel_matches_float64(dims):
+    """prefix_block_backward alone: one block, T and S not multiples of the tiles, GQA, a nonzero
+    lse gradient; float32 through the interpreter against float64 autograd."""
+    from hybridzoo.kernels.triton.prefix_attention_bwd import prefix_block_backward
+
+    d, dv = dims
+    g = torch.Generator().manual_seed(d + dv)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+               for s in ((2, 21, 4, d), (2, 37, 2, d), (2, 37, 2, dv)))
+    o, lse = reference_attention(q, k[:, :0], v[:, :0], prefix=(k, v), scale=0.3, return_lse=True)
+    w_o, w_lse = torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g,
+                                                                                      dtype=torch.float64)
+    ((o * w_o).sum() + (lse * w_lse).sum()).backward()
+    f32 = lambda t: t.detach().float()  # noqa: E731
+    dq, dk, dv_ = prefix_block_backward(f32(q), f32(k), f32(v), f32(o), f32(lse), f32(w_o), f32(w_lse), 0.3)
+    for ours, ref in ((dq, q.grad), (dk, k.grad), (dv_, v.grad)):
+        assert ours.dtype == torch.float32 and rel_err(ours, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_gpu_fused_backward_real_shapes(dtype, tol, head_dim):
+    """CUDA takes the Triton flash backward (checked: it is the path taken) at SeCO-like shapes:
+    a 512-token chunk, a 2000-position prefix in blocks of 768 (a partial last block), GQA 8/2;
+    against float32 autograd through the reference attention of the concatenated sequence."""
+    from hybridzoo.kernels.triton import prefix_attention_bwd
+
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    b, t, p, h, hk = 1, 512, 2000, 8, 2
+    randn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q, k_store, v_store = randn(b, t, h, head_dim), randn(b, p, hk, head_dim), randn(b, p, hk, head_dim)
+    w_o, w_lse = randn(b, t, h, head_dim), randn(b, t, h)
+    scale = head_dim ** -0.5
+    # reference: float32, the prefix fully visible
+    q_r, k_r, v_r = (x.clone().requires_grad_() for x in (q, k_store, v_store))
+    o, lse = reference_attention(q_r, k_r[:, :0], v_r[:, :0], prefix=(k_r, v_r), scale=scale, return_lse=True)
+    ((o * w_o).sum() + (lse * w_lse).sum()).backward()
+    calls = []
+    kernel = prefix_attention_bwd.prefix_block_backward
+    prefix_attention_bwd.prefix_block_backward = lambda *a: calls.append(1) or kernel(*a)
+    try:
+        q_t = q.to(dtype).requires_grad_()
+        k_grad, v_grad = torch.zeros_like(k_store), torch.zeros_like(v_store)
+        o_t, lse_t = block_prefix_attention(q_t, k_store.to(dtype), v_store.to(dtype), p, block_size=768,
+                                            scale=scale, k_grad=k_grad, v_grad=v_grad)
+        ((o_t.float() * w_o).sum() + (lse_t.float() * w_lse).sum()).backward()
+    finally:
+        prefix_attention_bwd.prefix_block_backward = kernel
+    assert len(calls) == 3
+    for ours, ref in ((q_t.grad.float(), q_r.grad), (k_grad, k_r.grad), (v_grad, v_r.grad)):
+        assert torch.isfinite(ours).all() and rel_err(ours, ref) <= tol, rel_err(ours, ref)
