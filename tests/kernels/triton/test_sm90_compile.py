@@ -1,5 +1,6 @@
 """Every Triton kernel of chunk_linear_attn, chunk_delta_rule and the SeCO prefix backward compiles
-bf16 and fp32, at the largest head sizes the ops take, within the 227 KB shared-memory limit.
+for sm_90 (H100/H200), bf16 and fp32, at the largest head sizes the ops take, within the 227 KB
+shared-memory limit.
 
 No GPU needed: ``scripts/kernel_resources.py --all`` compiles each kernel for
 ``GPUTarget("cuda", 90, 32)`` and assembles it with the ptxas that ships with Triton. (A K = 128
