@@ -361,6 +361,29 @@ def write_outputs(results: dict[str, Any], out_dir: Path, name: str) -> list[Pat
     return paths
 
 
+def merge_results(paths: list[Path], out_dir: Path, name: str, notes: list[str]) -> int:
+    """``--merge``: fold the settings, runs and notes of ``paths`` into ``<name>.json`` (created if
+    absent), later rows replacing earlier ones of the same setting and recipe, and rewrite the outputs."""
+    target = out_dir / f"{name}.json"
+    results = json.loads(target.read_text()) if target.is_file() else None
+    for path in paths:
+        part = json.loads(path.read_text())
+        if results is None:
+            results = {**part, "runs": [], "settings": {}, "notes": []}
+        for setting, spec in part.get("settings", {}).items():
+            merged = results["settings"].setdefault(setting, {})
+            merged.update({k: v for k, v in spec.items() if k != "argv"})
+            merged.setdefault("argv_parts", []).append(spec.get("argv"))
+        new = {(r["setting"], r["recipe"]) for r in part.get("runs", [])}
+        results["runs"] = [r for r in results["runs"] if (r["setting"], r["recipe"]) not in new] + part.get("runs", [])
+        results["notes"] = list(dict.fromkeys(results.get("notes", []) + part.get("notes", [])))
+    results["notes"] = list(dict.fromkeys(results["notes"] + notes))
+    results["runs"].sort(key=lambda r: (list(SETTINGS).index(r["setting"]) if r["setting"] in SETTINGS else 99,
+                                        _kind_index(r["kind"]), r["size"] == "l", r["recipe"]))
+    print("\n".join(str(p) for p in write_outputs(results, out_dir, name)))
+    return 0
+
+
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The setting's defaults with the explicit command-line values on top."""
     run = {"setting": args.setting, "seed": args.seed, "lr": args.lr, "num_train": args.num_train,
@@ -413,6 +436,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--render-only", dest="render_only", action="store_true",
                         help="rewrite the table and plot from the existing <name>.json")
     parser.add_argument("--note", action="append", default=[], help="a note for the table (repeatable)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="add the runs of these results files (e.g. partial sweeps run side by side, "
+                             "one per GPU) to <name>.json and rewrite the table and plot; a later file's row "
+                             "replaces an earlier one of the same setting and recipe")
     return parser.parse_args(argv)
 
 
@@ -420,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = args.name or f"{datetime.date.today().isoformat()}-mqar-sweep"
     json_path = args.out_dir / f"{name}.json"
+    if args.merge:
+        return merge_results(args.merge, args.out_dir, name, args.note)
     if args.render_only or args.append:
         if not json_path.is_file():
             if args.render_only:

@@ -176,3 +176,25 @@ def test_not_run_rows_and_render_only(tmp_path, capsys):
     assert sweep.main(["--render-only", "--out-dir", str(out), "--name", "plan", "--note", "later"]) == 0
     assert "- later" in (out / "plan.md").read_text()
     capsys.readouterr()
+
+
+def test_merge_folds_partial_sweeps(tmp_path, capsys):
+    """--merge: two partial GPU sweeps (run side by side) replace the planned rows of the target;
+    the other settings' rows stay; a later file wins for the same recipe."""
+    out = tmp_path / "results"
+    assert sweep.main(["--setting", "gpu", "--not-run", "--out-dir", str(out), "--name", "all"]) == 0
+    base = fake_results()
+    parts = []
+    for i, recipes in enumerate((["mqar-gla-s", "mqar-gdn-l"], ["mqar-gdn-l"])):
+        runs = [dict(next(r for r in base["runs"] if r["recipe"] == name), setting="gpu", status="ok",
+                     accuracy=0.25 * (i + 1)) for name in recipes]
+        path = tmp_path / f"part{i}.json"
+        path.write_text(json.dumps({**base, "runs": runs, "settings": {"gpu": {"steps": 100 + i}}}))
+        parts.append(str(path))
+    assert sweep.main(["--merge", *parts, "--out-dir", str(out), "--name", "all"]) == 0
+    merged = json.loads((out / "all.json").read_text())
+    rows = {r["recipe"]: r for r in merged["runs"] if r["setting"] == "gpu"}
+    assert len(rows) == 12 and rows["mqar-gla-s"]["accuracy"] == 0.25 and rows["mqar-gdn-l"]["accuracy"] == 0.5
+    assert rows["mqar-attn-s"]["status"] == "not run" and merged["settings"]["gpu"]["steps"] == 101
+    assert "| mqar-gdn-l |" in (out / "all.md").read_text()
+    capsys.readouterr()
