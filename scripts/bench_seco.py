@@ -301,7 +301,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device: torch.device,
-               autocast_dtype: torch.dtype | None) -> dict:
+               autocast_dtype: torch.dtype | None, block_size: int | None = None) -> dict:
     """One measured training step: forward + backward (``step_s``), then ``optimizer.step()``
     (``optim_s``), peak memory over both. Raises what the step raises (out of memory included)."""
     model.zero_grad(set_to_none=True)
@@ -313,7 +313,8 @@ def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device
             if mode == "full":
                 loss, num_chunks = full_backprop_step(model, batch, chunk_size), 1
             else:
-                result = seco_step(model, batch, chunk_size, kv_offload=mode == "seco_offload")
+                result = seco_step(model, batch, chunk_size, kv_offload=mode == "seco_offload",
+                                   block_size=block_size)
                 loss, num_chunks = result.loss, result.num_chunks
         _sync(device)
         middle = time.perf_counter()
@@ -404,7 +405,7 @@ def _meta(device: torch.device, args: dict) -> dict:
                          "are allocated in the warm-up and counted in static_bytes",
             "full_backprop": "one forward + backward of the whole sequence, no activation checkpointing, "
                              "chunked cross-entropy over chunk_size slices (logits recomputed in backward)",
-            "seco": "seco_engine.seco_step, block_size = chunk_size, no activation checkpointing in a chunk",
+            "seco": "seco_engine.seco_step (block_size: see block_size), no activation checkpointing in a chunk",
             "memory": "torch.cuda.max_memory_allocated after reset_peak_memory_stats" if device.type == "cuda"
                       else "PyTorch profiler CPU allocation events (bytes allocated inside the step at their peak)",
         },
@@ -427,7 +428,8 @@ def _predict_seconds(rows: list[dict], recipe: str, mode: str, tokens: int, has_
 def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_size: int, device: torch.device,
               out: str | Path | None, *, autocast_dtype: torch.dtype | None = torch.bfloat16,
               max_step_s: float = 0.0, grad_check: bool = True, resume: bool = False, seed: int = 0,
-              warmup_tokens: int | None = None, args_for_meta: dict | None = None, log=print) -> dict:
+              warmup_tokens: int | None = None, args_for_meta: dict | None = None, log=print,
+              block_size: int | None = None) -> dict:
     """Run every (recipe, length, mode) row and return (and write to ``out`` after every row) the
     result dict: ``meta``, ``recipes`` (per recipe: parameters, memory model, startup check),
     ``rows``, ``summary`` (see :func:`summarize`)."""
@@ -486,7 +488,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         for mode in dict.fromkeys(m for _, m in todo):
             try:
                 train_step(model, optimizer, make_batch(vocab, warm, device, seed), mode, chunk_size, device,
-                           autocast_dtype)
+                           autocast_dtype, block_size)
             except (torch.OutOfMemoryError, SeCOError) as error:
                 log(f"{spec}: warm-up of {mode} failed: {type(error).__name__}")
         model.zero_grad(set_to_none=True)
@@ -516,7 +518,8 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
                 try:
                     batch = make_batch(vocab, tokens, device, seed + tokens)
                     wall = time.perf_counter()
-                    row.update(train_step(model, optimizer, batch, mode, chunk_size, device, autocast_dtype))
+                    row.update(train_step(model, optimizer, batch, mode, chunk_size, device, autocast_dtype,
+                                          block_size))
                     row["wall_s"] = time.perf_counter() - wall
                     row["status"] = "ok"
                     row["us_per_token"] = row["step_s"] / tokens * 1e6
@@ -708,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         f"(default {DEFAULT_LENGTHS})")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--chunk-size", type=int, default=None, help="SeCO chunk (and loss slice) size (default 4096)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="K/V prefix positions per attention call in SeCO (default: the chunk size); larger "
+                             "blocks mean fewer calls at long lengths")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype (fp32 = no autocast)")
     parser.add_argument("--fp32-matmul", choices=("highest", "high", "medium"), default="high",
                         help="torch.set_float32_matmul_precision (high = TF32)")
@@ -751,12 +757,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths = sorted({parse_tokens(t) for t in lengths.split(",") if t.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     settings = {"recipes": recipes, "lengths": lengths, "modes": modes, "chunk_size": chunk_size,
-                "dtype": args.dtype, "cpu_smoke": args.cpu_smoke}
+                "block_size": args.block_size or chunk_size, "dtype": args.dtype, "cpu_smoke": args.cpu_smoke}
     start = time.perf_counter()
     result = benchmark(recipes, lengths, modes, chunk_size, device, out,
                        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
                        max_step_s=args.max_step_s, grad_check=not args.no_grad_check, resume=args.resume,
-                       seed=args.seed, args_for_meta=settings)
+                       seed=args.seed, args_for_meta=settings, block_size=args.block_size)
     print_summary(result)
     try:
         path = plot(result, args.plot or Path(out).with_suffix(".png"))
