@@ -180,6 +180,23 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 
 # ----------------------------------------------------------------------------- launch helpers
 
+# The two sequential kernels (one program per (batch·head, V-block), a loop over all chunks) set
+# the pace; on a GPU they are autotuned over the V-block width and warps (the same results for
+# every config: V columns are independent). Under the interpreter they run with _Config's sizes.
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1) for bv in (32, 64) for warps in (4, 8)]
+STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
+
+
+def _autotuned(kernel, restore: tuple[str, ...] = ()):
+    """``kernel`` autotuned over :data:`STATE_CONFIGS` on a GPU (``restore``: buffers the kernel
+    updates in place, restored between trials); the plain kernel under the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return kernel
+    return triton.autotune(STATE_CONFIGS, key=STATE_KEY, restore_value=list(restore) or None)(kernel)
+
+
+_state_fwd = _autotuned(_state_fwd_kernel)
+
 
 class _Config:
     """Shapes, block sizes and launch settings shared by the forward and backward launches."""
@@ -212,6 +229,14 @@ class _Config:
         return dict(H=self.H, G=self.G, K=self.K, V=self.V, C=self.C, BK=self.BK, BV=self.BV,
                     PREC=self.prec, num_warps=self.warps, num_stages=self.stages)
 
+    def state_launch(self) -> tuple:
+        """``(grid, constants)`` of an :func:`_autotuned` state kernel: the V-block width and the
+        launch settings come from the autotuner on a GPU, from :meth:`consts` under the interpreter."""
+        if self.n_interp:
+            return (self.B * self.H, self.NV), self.consts()
+        consts = {k: v for k, v in self.consts().items() if k not in ("BV", "num_warps", "num_stages")}
+        return (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts
+
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
         return _empty(shape, dtype=dtype, device=self.device)
 
@@ -223,9 +248,9 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
     _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
-    _state_fwd_kernel[(B * H, cfg.NV)](k, w, u, log_a, h0, h, vn, ht, T, N,
-                                       HAS_H0=initial_state is not None, N_INTERP=cfg.n_interp,
-                                       **cfg.consts())
+    grid, consts = cfg.state_launch()
+    _state_fwd[grid](k, w, u, log_a, h0, h, vn, ht, T, N, HAS_H0=initial_state is not None,
+                     N_INTERP=cfg.n_interp, **consts)
     return tm, w, u, h, vn, ht
 
 
