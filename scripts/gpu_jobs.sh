@@ -9,8 +9,8 @@
 # Jobs (space separated, run in order within a lane; a lane is one GPU):
 #   tests[=<pytest args>]        pytest -m gpu (default: tests), 150 s per test, stack dump at 60 s
 #   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
-#   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py --resume into seco_<recipe>.json
-#                                (a previous one under .gpu_in/, carried, is continued)
+#   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
+#                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued)
 #   mqar=<recipes>               scripts/mqar_sweep.py --setting gpu $MQAR_ARGS for those recipes
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
@@ -46,7 +46,8 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
              >> "$RES/bench_kernels.log" 2>&1 ;;
     seco) IFS=@ read -r recipe lengths modes <<< "$arg"
           timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
-            ${modes:+--modes $modes} --resume --out "$RES/seco_$recipe.json" >> "$RES/seco_$recipe.log" 2>&1 ;;
+            ${modes:+--modes $modes} ${SECO_ARGS:-} --resume --out "$RES/seco_$recipe.json" \
+            >> "$RES/seco_$recipe.log" 2>&1 ;;
     mqar) timeout "$lim" python3 scripts/mqar_sweep.py --setting gpu --device cuda --recipes "$arg" ${MQAR_ARGS:-} \
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
             > "$RES/mqar_$LANE.log" 2>&1 ;;
