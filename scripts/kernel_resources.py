@@ -73,15 +73,16 @@ def cases():
                dict(cfg, HAS_DHT=False, N_INTERP=0), warps, stages)
         la = dict(H=16, HK=16, K=128, V=128, C=64, BK=64, BV=64, DECAY=1, PREC=prec)
         yield (f"linear_attn _fwd_h_kernel {dt}", linear_attn._fwd_h_kernel,
-               {"k": ptr, "v": ptr, "b": "*fp32", "h": "*fp32", "h0": "*fp32", "hT": "*fp32", "T": "i32",
+               {"k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "h0": "*fp32", "hT": "*fp32", "T": "i32",
                 "NT": "i32"},
                dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), linear_attn.WARPS, 3)
         yield (f"linear_attn _fwd_o_kernel {dt}", linear_attn._fwd_o_kernel,
-               {"q": ptr, "k": ptr, "v": ptr, "b": "*fp32", "h": "*fp32", "A": "*fp32", "o": ptr,
+               {"q": ptr, "k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "A": "*fp32", "o": ptr,
                 "scale": "fp32", "T": "i32", "NT": "i32"}, la, linear_attn.WARPS, 3)
 
 
-INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32)
+INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32;
+# linear attention also keeps its chunk states h, dh in the inputs' dtype for 16-bit inputs)
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
 
@@ -111,7 +112,8 @@ def all_kernels():
                 if module in (delta_rule, delta_rule_bwd):
                     constexprs.update(BK=256, BV=32) if "BK" in constexprs else None
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
-                inputs = {"q", "k", "v", "do"} if module is prefix_bwd else INPUTS
+                inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
+                          else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)
                 types = {p: ("i32" if p in ("T", "N", "NT", "S", "NM", "NN", "stride_kb", "stride_vb")
                              else "fp32" if p == "scale"
                              else f"*{dt}" if p.removesuffix("_ptr") in inputs else "*fp32")

@@ -47,6 +47,7 @@ from hybridzoo.kernels.triton.linear_attn import (
     chunk_cumsum,
     fwd_h,
     intra_A,
+    state_dtype,
 )
 
 
@@ -55,7 +56,7 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, DECAY: tl.constexpr, HAS_DHT: tl.constexpr,
                    STORE_DH0: tl.constexpr, PREC: tl.constexpr, NT_LOOP: tl.constexpr):
-    """dh[b, h, j] = gradient of the state leaving chunk j (fp32 [B, H, NT, K, V])."""
+    """dh[b, h, j] = gradient of the state leaving chunk j ([B, H, NT, K, V], ``state_dtype``)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
@@ -68,7 +69,7 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl
         dS += tl.load(dhT + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
     for jj in range(NT_LOOP if NT_LOOP > 0 else NT):
         j = NT - 1 - jj
-        tl.store(dh + (i_bh.to(tl.int64) * NT + j) * K * V + kv, dS, mask=m_kv)
+        tl.store(dh + (i_bh.to(tl.int64) * NT + j) * K * V + kv, dS.to(dh.dtype.element_ty), mask=m_kv)
         t = j * C + tl.arange(0, C)
         rows = (i_b * T + t).to(tl.int64)
         m_t = t < T
@@ -274,7 +275,7 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, scale, T, NT, H: tl.const
         h_t = tl.load(h + state + vv[None, :], mask=m_kv, other=0.0)
         dh_t = tl.load(dh + state + vv[None, :], mask=m_kv, other=0.0)
         if STORE_DG:
-            h_dh += tl.sum(h_t * dh_t, axis=1)
+            h_dh += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
         dq_acc += tl.dot(do_t, tl.trans(h_t.to(do_t.dtype)), input_precision=PREC)
         dk_acc += tl.dot(v_t, tl.trans(dh_t.to(do_t.dtype)), input_precision=PREC)
         if DECAY != 2:
@@ -335,7 +336,7 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
     b_ = b if b is not None else dummy
 
-    dh = _new(B, H, NT, K, V, **f32)
+    dh = _new(B, H, NT, K, V, dtype=state_dtype(v.dtype), device=v.device)
     dh0 = _new(B, H, K, V, **f32) if (need_dh0 and initial_state is not None) else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
     _bwd_dh_kernel[grid](q, b_, do, dh, dhT if dhT is not None else dummy,
