@@ -3,8 +3,6 @@ transformers' ``MambaMixer`` on its pure-PyTorch path (forced and confirmed)."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +12,12 @@ from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
+from tests.layers.hf_parity import (
+    assert_same_output_and_grads,
+    copy_from_hf,
+    force_torch_path,
+    output_and_grads,
+)
 
 CONFIGS = {
     "default-tiny": (8, Mamba1Config(d_state=4)),
@@ -78,31 +82,6 @@ def test_init():
 
 # --- parity with transformers' MambaMixer, pure-PyTorch path --------------------------------
 
-def force_torch_path(monkeypatch, module, names):
-    """Replace the kernel entry points ``names`` of the HF ``module`` by their own pure-PyTorch
-    bodies (the functions its hub/mamba_ssm/causal_conv1d wrappers fall back to), counting calls."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        torch_fn = inspect.unwrap(getattr(module, name))
-        assert torch_fn.__module__ == module.__name__ and torch_fn.__name__ == name, torch_fn
-
-        def counted(*args, _fn=torch_fn, _name=name, **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
-
-
-def copy_from_hf(ours, hf):
-    """Copy every HF parameter into ours, same name (HF conv1d.weight [C, 1, W] -> ours [C, W])."""
-    mine = dict(ours.named_parameters())
-    assert set(mine) == {n for n, _ in hf.named_parameters()}
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            mine[name].copy_(p.reshape(mine[name].shape))
-
-
 def hf_mamba(monkeypatch, d_model, config: Mamba1Config):
     modeling = pytest.importorskip("transformers.models.mamba.modeling_mamba",
                                    reason="transformers is needed for the parity test")
@@ -130,22 +109,10 @@ def test_parity_with_transformers(monkeypatch):
     hf, ours, calls, _ = hf_mamba(monkeypatch, d_model, config)
     x = torch.randn(2, 19, d_model)
     weight = torch.randn(2, 19, d_model)
-
-    def run(module):
-        xi = x.clone().requires_grad_(True)
-        y = module(xi)
-        y = y[0] if isinstance(y, tuple) else y
-        grads = torch.autograd.grad((y * weight).sum(), [xi, *module.parameters()])
-        return y, grads[0], dict(zip([n for n, _ in module.named_parameters()], grads[1:]))
-
-    y_hf, dx_hf, dp_hf = run(hf)
+    from_hf = output_and_grads(hf, x, weight)
     assert calls["mamba_selective_scan"] == 1 and calls["causal_conv1d_fn"] == 1
     assert calls["mamba_inner_fn"] == 1  # training mode: the fused call was tried, returned None
-    y, dx, dp = run(ours)
-    assert rel_err(y, y_hf) <= 1e-5, rel_err(y, y_hf)
-    assert rel_err(dx, dx_hf) <= 1e-5, rel_err(dx, dx_hf)
-    for name, g in dp_hf.items():
-        assert rel_err(dp[name], g.reshape(dp[name].shape)) <= 1e-5, name
+    assert_same_output_and_grads(output_and_grads(ours, x, weight), from_hf)
 
 
 def test_decoding_parity_with_transformers_cache(monkeypatch):
