@@ -264,6 +264,15 @@ def root_cause(error: BaseException, errors: tuple[type[BaseException], ...]) ->
     return found
 
 
+def user_error_exit(command: str, error: BaseException, errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Report a user error of ``hybridzoo <command>`` in one line on stderr and return exit status
+    2 (its innermost cause among ``errors`` when given); ``HYBRIDZOO_DEBUG=1`` re-raises instead."""
+    if os.environ.get("HYBRIDZOO_DEBUG"):
+        raise error
+    print(f"hybridzoo {command}: error: {root_cause(error, errors) if errors else error}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     """Run ``fit`` / ``validate`` / ``test`` (``argv[0]``) with the rest of ``argv``."""
     quiet_lightning()
@@ -278,10 +287,7 @@ def main(argv: list[str]) -> int:
     try:
         HybridLightningCLI(args=argv)
     except errors as error:
-        if os.environ.get("HYBRIDZOO_DEBUG"):
-            raise
-        print(f"hybridzoo {command}: error: {root_cause(error, errors)}", file=sys.stderr)
-        return 2
+        return user_error_exit(command, error, errors)
     except SystemExit as error:  # jsonargparse: --help, --print_config, parse errors
         return error.code if isinstance(error.code, int) else (0 if error.code is None else 2)
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -180,16 +179,19 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return user_errors() + (ValueError, OSError)
 
 
+def _user_error_exit(command: str, error: BaseException) -> int:
+    from hybridzoo.training.cli import user_error_exit  # cli imports Lightning; this module does not
+
+    return user_error_exit(command, error)
+
+
 def eval_command(args) -> int:
     errors = _user_errors()
     try:
         result = evaluate(args.directory, data=args.data, max_batches=args.max_batches,
                           batch_size=args.batch_size, device=args.device)
     except errors as error:
-        if os.environ.get("HYBRIDZOO_DEBUG"):
-            raise
-        print(f"hybridzoo eval: error: {error}", file=sys.stderr)
-        return 2
+        return _user_error_exit("eval", error)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -217,10 +219,7 @@ def generate_command(args) -> int:
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed, device=args.device)
     except errors as error:
-        if os.environ.get("HYBRIDZOO_DEBUG"):
-            raise
-        print(f"hybridzoo generate: error: {error}", file=sys.stderr)
-        return 2
+        return _user_error_exit("generate", error)
     if args.json:
         print(json.dumps(result))
     else:
