@@ -59,6 +59,17 @@ def _chunk_decays(la_ptr, rows, mask_t, C: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(b, h, i_n, T, H: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
+    """Chunk ``i_n`` of (batch ``b``, value head ``h``): token offsets ``[C]``, their mask, and the
+    row indices of ``[B, T, H, ·]`` tensors and of the q/k tensors ``[B, T, H // G, ·]`` (int64)."""
+    offs_t = i_n * C + tl.arange(0, C)
+    mask_t = offs_t < T
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    return offs_t, mask_t, rows, rows_k
+
+
+@triton.jit
 def _load_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr):
     """Load a ``[C, len(offs)]`` float32 tile: row ``i`` at ``ptr + rows[i] * width``, columns ``offs < D``."""
     mask = mask_t[:, None] & (offs[None, :] < D)
@@ -96,10 +107,7 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
-    offs_t = i_n * C + tl.arange(0, C)
-    mask_t = offs_t < T
-    rows = (b.to(tl.int64) * T + offs_t) * H + h              # [B, T, H] row index
-    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G  # q/k head row index
+    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
 
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -138,10 +146,7 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
         tl.store(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, state, mask=s_mask)
-        offs_t = i_n * C + tl.arange(0, C)
-        mask_t = offs_t < T
-        rows = (b.to(tl.int64) * T + offs_t) * H + h
-        rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+        offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
         w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
         u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
         vn = u - tl.dot(w, state, input_precision=PREC)
@@ -159,10 +164,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
     """``O = scale · ((γ ⊙ Q) S0 + (Q Kᵀ ⊙ Γ) Vn)`` for one chunk, head and V-block."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
-    offs_t = i_n * C + tl.arange(0, C)
-    mask_t = offs_t < T
-    rows = (b.to(tl.int64) * T + offs_t) * H + h
-    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
 
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)

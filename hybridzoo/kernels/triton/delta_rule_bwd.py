@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridzoo.kernels.triton.delta_rule import _autotuned, _chunk_decays, _load_rows, _store_rows
+from hybridzoo.kernels.triton.delta_rule import _autotuned, _chunk_decays, _chunk_rows, _load_rows, _store_rows
 
 
 @triton.jit
@@ -36,10 +36,7 @@ def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
     """The in-chunk part of dVn: ``scale · (Q Kᵀ ⊙ Γ)ᵀ dO``."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
-    offs_t = i_n * C + tl.arange(0, C)
-    mask_t = offs_t < T
-    rows = (b.to(tl.int64) * T + offs_t) * H + h
-    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -71,10 +68,7 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
     for i in range(0, N_INTERP if N_INTERP > 0 else N):
         i_n = N - 1 - i
         tl.store(dh_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, dstate, mask=s_mask)
-        offs_t = i_n * C + tl.arange(0, C)
-        mask_t = offs_t < T
-        rows = (b.to(tl.int64) * T + offs_t) * H + h
-        rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+        offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
         _, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
         dvn = _load_rows(dv_ptr, rows, V, offs_v, mask_t, V)
@@ -97,10 +91,7 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
-    offs_t = i_n * C + tl.arange(0, C)
-    mask_t = offs_t < T
-    rows = (b.to(tl.int64) * T + offs_t) * H + h
-    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
 
@@ -154,10 +145,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     Keys are visited in blocks of ``BKW`` (twice: dA needs every key before dk can be finished)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
-    offs_t = i_n * C + tl.arange(0, C)
-    mask_t = offs_t < T
-    rows = (b.to(tl.int64) * T + offs_t) * H + h
-    rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
+    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
 
     tm = _load_rows(tm_ptr, rows, C, offs_c, mask_t, C)
