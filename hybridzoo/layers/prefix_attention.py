@@ -169,15 +169,16 @@ def _fused_backward_applies(q: torch.Tensor, k_store: torch.Tensor, backend: str
 def _fused_backward(q, o, lse, d_o, d_lse, k_store, v_store, k_grad, v_grad, length, block_size, scale,
                     need_q):
     """Per block, :func:`hybridzoo.kernels.triton.prefix_attention_bwd.prefix_block_backward`
-    from the merged ``(o, lse)``: the flash-attention backward, no forward recomputed."""
-    from hybridzoo.kernels.triton.prefix_attention_bwd import prefix_block_backward
+    from the merged ``(o, lse)`` (prepared once for all blocks): the flash-attention backward, no
+    forward recomputed."""
+    from hybridzoo.kernels.triton import prefix_attention_bwd as kernels
 
-    d_o = torch.zeros_like(o) if d_o is None else d_o
+    grad = kernels.prepare_prefix_backward(q, o, lse, torch.zeros_like(o) if d_o is None else d_o, d_lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_q else None
     for start, end in _blocks(length, block_size):
         k_b = _read(k_store, start, end, q.device).to(q.dtype)
         v_b = _read(v_store, start, end, q.device).to(q.dtype)
-        dq_b, dk_b, dv_b = prefix_block_backward(q, k_b, v_b, o, lse, d_o, d_lse, scale)
+        dq_b, dk_b, dv_b = kernels.prefix_block_backward(grad, k_b, v_b, scale)
         if need_q:
             dq += dq_b
         if k_grad is not None:

@@ -162,7 +162,7 @@ def _no_grad_only(op):
 def test_triton_block_backward_kernel_matches_float64(dims):
     """prefix_block_backward alone: one block, T and S not multiples of the tiles, GQA, a nonzero
     lse gradient; float32 through the interpreter against float64 autograd."""
-    from hybridzoo.kernels.triton.prefix_attention_bwd import prefix_block_backward
+    from hybridzoo.kernels.triton.prefix_attention_bwd import prefix_block_backward, prepare_prefix_backward
 
     d, dv = dims
     g = torch.Generator().manual_seed(d + dv)
@@ -173,7 +173,8 @@ def test_triton_block_backward_kernel_matches_float64(dims):
                                                                                       dtype=torch.float64)
     ((o * w_o).sum() + (lse * w_lse).sum()).backward()
     f32 = lambda t: t.detach().float()  # noqa: E731
-    dq, dk, dv_ = prefix_block_backward(f32(q), f32(k), f32(v), f32(o), f32(lse), f32(w_o), f32(w_lse), 0.3)
+    grad = prepare_prefix_backward(f32(q), f32(o), f32(lse), f32(w_o), f32(w_lse))
+    dq, dk, dv_ = prefix_block_backward(grad, f32(k), f32(v), 0.3)
     for ours, ref in ((dq, q.grad), (dk, k.grad), (dv_, v.grad)):
         assert ours.dtype == torch.float32 and rel_err(ours, ref) <= 1e-5
 

@@ -22,12 +22,13 @@ Dots take the inputs' dtype (bf16/fp16 tensor cores, fp32 accumulation); float32
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["prefix_block_backward"]
+__all__ = ["PrefixGrad", "prefix_block_backward", "prepare_prefix_backward"]
 
 
 @triton.jit
@@ -120,13 +121,33 @@ def _tiles(d: int, dv: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (64, 32, 8, 2) if wide else (64, 64, 8, 3)
 
 
-def prefix_block_backward(q, k_block, v_block, o, lse, d_o, d_lse, scale):
+class PrefixGrad(NamedTuple):
+    """What every block's backward reads, prepared once per backward by
+    :func:`prepare_prefix_backward`: ``q [B, T, H, D]``, ``d_o [B, T, H, DV]`` (contiguous, q's
+    dtype), ``lse`` and ``delta = rowsum(dO ∘ O) − dlse`` (``[B, T, H]`` float32)."""
+
+    q: torch.Tensor
+    d_o: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+
+
+def prepare_prefix_backward(q, o, lse, d_o, d_lse) -> PrefixGrad:
+    """From the merged prefix output ``o`` / log-sum-exp ``lse`` (``[B, T, H, DV]`` in q's dtype
+    and ``[B, T, H]`` finite) and their gradients (``d_lse`` may be None): the inputs of
+    :func:`prefix_block_backward`, shared by all blocks."""
+    d_o = d_o.to(q.dtype).contiguous()
+    delta = (d_o.float() * o.float()).sum(-1)
+    if d_lse is not None:
+        delta = delta - d_lse.float()
+    return PrefixGrad(q.contiguous(), d_o, lse.float().contiguous(), delta.contiguous())
+
+
+def prefix_block_backward(grad: PrefixGrad, k_block, v_block, scale):
     """Gradients of one fully visible K/V block of SeCO's prefix attention, from the merged prefix.
 
     Args:
-        q: ``[B, T, H, D]`` queries; ``d_o``, ``o``: ``[B, T, H, DV]`` the merged prefix output
-            and its gradient (q's dtype: bf16/fp16/fp32); ``lse``, ``d_lse``: ``[B, T, H]`` the
-            merged log-sum-exp (finite) and its gradient (float32).
+        grad: :func:`prepare_prefix_backward` of the merged prefix output and its gradients.
         k_block, v_block: ``[B, S, HK, D]`` / ``[B, S, HK, DV]`` on q's device and dtype, the last
             two dimensions contiguous (a slice of a K/V store along positions is), ``H % HK == 0``.
         scale: multiplies the scores.
@@ -135,17 +156,12 @@ def prefix_block_backward(q, k_block, v_block, o, lse, d_o, d_lse, scale):
         ``(dq [B, T, H, D], dk [B, S, HK, D], dv [B, S, HK, DV])`` float32: this block's share of
         dq, and the block's whole dk, dv (summed over each K/V head's query heads).
     """
+    q, d_o, lse, delta = grad
     B, T, H, D = q.shape
     S, HK, DV = k_block.shape[1], k_block.shape[2], v_block.shape[3]
     if k_block.stride()[2:] != (D, 1) or v_block.stride()[2:] != (DV, 1) or k_block.stride(1) != HK * D \
             or v_block.stride(1) != HK * DV:
         k_block, v_block = k_block.contiguous(), v_block.contiguous()
-    q, o, d_o = q.contiguous(), o.contiguous(), d_o.to(q.dtype).contiguous()
-    delta = (d_o.float() * o.float()).sum(-1)
-    if d_lse is not None:
-        delta = delta - d_lse.float()
-    lse = lse.float().contiguous()
-    delta = delta.contiguous()
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
     BM, BN, warps, stages = _tiles(D, DV, q.dtype)
     BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
