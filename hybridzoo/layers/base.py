@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import ClassVar
 
 import torch
@@ -16,6 +18,15 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+@torch.no_grad()
+def init_dt_bias_(bias: torch.Tensor, dt_min: float, dt_max: float, floor: float) -> None:
+    """mamba_ssm's / fla's init of a step-size bias ``[n]``: ``softplus(bias)`` log-uniform in
+    ``[dt_min, dt_max]``, clamped below at ``floor`` (draws ``n`` numbers from torch's RNG)."""
+    dt = torch.exp(torch.rand(bias.shape[0]) * (math.log(dt_max) - math.log(dt_min))
+                   + math.log(dt_min)).clamp(min=floor)
+    bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
 
 
 class Mixer(nn.Module):

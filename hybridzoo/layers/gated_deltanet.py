@@ -39,7 +39,6 @@ is HF's conv state ``[B, conv_dim, conv_size]`` without its oldest column, trans
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
-from hybridzoo.layers.base import Mixer, activation_dtype
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -147,9 +146,7 @@ class GatedDeltaNet(Mixer):
         """fla's init of the decay: ``A_log = log(uniform(A_init_range))``, ``dt_bias`` such that
         ``softplus(dt_bias)`` is log-uniform in ``[dt_min, dt_max]`` (HF sets ``dt_bias = 1``)."""
         cfg = self.config
-        dt = torch.exp(torch.rand(self.num_v_heads) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        init_dt_bias_(self.dt_bias, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
         self.A_log.copy_(torch.log(torch.empty(self.num_v_heads).uniform_(*cfg.A_init_range)))
 
     def expected_state(self, batch_size: int, dtype: torch.dtype

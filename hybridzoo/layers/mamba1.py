@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import selective_scan, selective_scan_step
-from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.state import RecurrentState, state_dtype
 
@@ -120,9 +120,7 @@ class Mamba1(Mixer):
             self.dt_proj.weight.fill_(std)
         else:
             self.dt_proj.weight.uniform_(-std, std)
-        dt = torch.exp(torch.rand(self.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
-        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        init_dt_bias_(self.dt_proj.bias, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
 
     def expected_state(self, batch_size: int, dtype: torch.dtype
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

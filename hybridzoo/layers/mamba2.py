@@ -21,7 +21,6 @@ takes :func:`hybridzoo.kernels.linear_attn_step`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer, activation_dtype
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -123,9 +122,7 @@ class Mamba2(Mixer):
         """mamba_ssm's init: ``A_log = log(uniform(A_init_range))``, ``D = 1``, ``dt_bias`` such
         that ``softplus(dt_bias)`` is log-uniform in ``[dt_min, dt_max]``."""
         cfg = self.config
-        dt = torch.exp(torch.rand(self.n_heads) * (math.log(cfg.dt_max) - math.log(cfg.dt_min))
-                       + math.log(cfg.dt_min)).clamp(min=cfg.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        init_dt_bias_(self.dt_bias, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
         self.A_log.copy_(torch.log(torch.empty(self.n_heads).uniform_(*cfg.A_init_range)))
         self.D.fill_(1.0)
 
