@@ -7,11 +7,14 @@
 #   bash scripts/gpu_jobs.sh "<jobs of GPU 0>" ["<jobs of GPU 1>" ...]
 #
 # Jobs (space separated, run in order within a lane; a lane is one GPU):
-#   tests[=<pytest args>]        pytest -m gpu (default: tests), 150 s per test, stack dump at 60 s
+#   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
+#                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
+#                                names mamba or backends (otherwise its adapter test skips)
 #   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
 #   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
 #                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued)
-#   mqar=<recipes>               scripts/mqar_sweep.py --setting gpu $MQAR_ARGS for those recipes
+#   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
+#                                recipes (comma separated)
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
 # MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
@@ -39,8 +42,9 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
   [ "$arg" = "$spec" ] && arg=""
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
-    tests) wait_mamba; timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
-             -o faulthandler_timeout=60 --durations=0 ${arg:-tests} > "$RES/tests_$LANE.log" 2>&1 ;;
+    tests) echo "$arg" | grep -Eq "mamba|backends" && wait_mamba
+           timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
+             -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_$LANE.log" 2>&1 ;;
     bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
@@ -48,7 +52,8 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
           timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
             ${modes:+--modes $modes} ${SECO_ARGS:-} --resume --out "$RES/seco_$recipe.json" \
             >> "$RES/seco_$recipe.log" 2>&1 ;;
-    mqar) timeout "$lim" python3 scripts/mqar_sweep.py --setting gpu --device cuda --recipes "$arg" ${MQAR_ARGS:-} \
+    mqar) IFS=@ read -r recipes setting <<< "$arg"
+          timeout "$lim" python3 scripts/mqar_sweep.py --setting "${setting:-gpu}" --device cuda --recipes "$recipes" ${MQAR_ARGS:-} \
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
             > "$RES/mqar_$LANE.log" 2>&1 ;;
     profile) IFS=@ read -r recipe tokens <<< "$arg"
