@@ -10,7 +10,9 @@
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
 #                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
 #                                names mamba or backends (otherwise its adapter test skips)
-#   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
+#   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append;
+#                                at most BENCH_S seconds (default JOB_S)
+#   kprof=<rows>                 scripts/profile_kernels.py --only <rows>: GPU time per kernel
 #   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
 #                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued)
 #   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
@@ -46,6 +48,7 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
            timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
              -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_$LANE.log" 2>&1 ;;
     bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
+           [ "${BENCH_S:-$lim}" -lt "$lim" ] && lim=$BENCH_S
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
     seco) IFS=@ read -r recipe lengths modes <<< "$arg"
@@ -56,6 +59,9 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
           timeout "$lim" python3 scripts/mqar_sweep.py --setting "${setting:-gpu}" --device cuda --recipes "$recipes" ${MQAR_ARGS:-} \
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
             > "$RES/mqar_$LANE.log" 2>&1 ;;
+    kprof) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
+           timeout "$lim" python3 scripts/profile_kernels.py --only "$arg" --out "$RES/kprof_$LANE.txt" \
+             > "$RES/kprof_$LANE.log" 2>&1 ;;
     profile) IFS=@ read -r recipe tokens <<< "$arg"
              timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" \
                --out "$RES/profile_$recipe.txt" > "$RES/profile_$recipe.log" 2>&1 ;;

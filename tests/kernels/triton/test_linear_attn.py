@@ -241,6 +241,15 @@ def test_gpu_real_shapes(decay, D, dtype, no_tf32):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", (8, 64))
+def test_gpu_mamba2_mqar_shapes(K, no_tf32):
+    """The shapes Mamba-2 hands the kernel in the MQAR recipes (one B/C group for 4 heads,
+    d_state 8 or 64, head_dim 32, batch 64), bf16 as under autocast, all gradients."""
+    check("scalar", seed=22, B=64, T=256, Hk=1, H=4, K=K, V=32, chunk_size=64, log_scale=0.1,
+          scale=1.0, dtype=torch.bfloat16, ref_dtype=F32, device="cuda", tol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("decay", ("scalar", "per_key"))
 def test_gpu_resets_and_strong_decays(decay, no_tf32):
     """Resets and decays down to e^-60 at T=16384 (bf16 path): no NaN, reference accuracy."""
