@@ -18,6 +18,8 @@
 #   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
 #                                recipes (comma separated)
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
+#   script=<path>                bash <path> <output dir> (a one-off check carried in .gpu_in/)
+# Logs are named by lane and by the job's place in its lane (tests_<lane>_<job>.log).
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
 # MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
 # mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
@@ -46,7 +48,7 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
   case $name in
     tests) echo "$arg" | grep -Eq "mamba|backends" && wait_mamba
            timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
-             -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_$LANE.log" 2>&1 ;;
+             -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
     bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
            [ "${BENCH_S:-$lim}" -lt "$lim" ] && lim=$BENCH_S
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
@@ -60,8 +62,9 @@ run_job() {  # $1 = job spec; runs on the lane's GPU
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
             > "$RES/mqar_$LANE.log" 2>&1 ;;
     kprof) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
-           timeout "$lim" python3 scripts/profile_kernels.py --only "$arg" --out "$RES/kprof_$LANE.txt" \
-             > "$RES/kprof_$LANE.log" 2>&1 ;;
+           timeout "$lim" python3 scripts/profile_kernels.py --only "$arg" --out "$RES/kprof_${LANE}_$JOB.txt" \
+             > "$RES/kprof_${LANE}_$JOB.log" 2>&1 ;;
+    script) timeout "$lim" bash "$arg" "$RES/script_${LANE}_$JOB" > "$RES/script_${LANE}_$JOB.log" 2>&1 ;;
     profile) IFS=@ read -r recipe tokens <<< "$arg"
              timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" \
                --out "$RES/profile_$recipe.txt" > "$RES/profile_$recipe.log" 2>&1 ;;
@@ -75,7 +78,8 @@ pids=()
 read -r -a lane_gpus <<< "${LANE_GPUS:-$(seq -s ' ' 0 $(($# - 1)))}"
 i=0
 for lane in "$@"; do
-  ( export CUDA_VISIBLE_DEVICES=${lane_gpus[$i]} LANE=$i; for job in $lane; do run_job "$job"; done ) &
+  ( export CUDA_VISIBLE_DEVICES=${lane_gpus[$i]} LANE=$i JOB=0
+    for job in $lane; do run_job "$job"; JOB=$((JOB + 1)); done ) &
   pids+=($!); i=$((i + 1))
 done
 while [ "$(left)" -gt 0 ] && [ -n "$(jobs -rp)" ]; do

@@ -82,19 +82,38 @@ def _store_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr, x):
     tl.store(ptr + rows[:, None] * width + offs[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
+INV_BLOCK = tl.constexpr(16)  # diagonal blocks of the triangular inverse
+
+
 @triton.jit
 def _unit_lower_inverse(a, C: tl.constexpr):
-    """``(I + a)⁻¹`` for a strictly lower ``[C, C]`` tile, by forward substitution over rows.
+    """``(I + a)⁻¹`` for a strictly lower ``[C, C]`` float32 tile, by block forward substitution.
 
-    With ``N = (I + a)⁻¹ − I``: ``N[i] = −a[i] − Σ_j a[i, j] N[j]`` (only rows ``j < i`` are used).
+    ``a = a_d + a_o``: ``a_d`` its 16 x 16 diagonal blocks, ``a_o`` the blocks below them. First
+    ``D⁻¹ = (I + a_d)⁻¹`` by forward substitution, row ``i`` of every diagonal block at once
+    (``N = D⁻¹ − I``: ``N_i = −a_i − a_i N``, 15 steps, each a tensor-core dot of masked rows);
+    then ``(I + a)⁻¹ = (I + X)⁻¹ D⁻¹`` with ``X = D⁻¹ a_o`` strictly block-lower, so ``X⁴ = 0``
+    for up to 4 blocks and ``(I + X)⁻¹ = (I − X)(I + X²)``: four more dots (fla's solve_tril
+    merges 16-blocks the same way). A 63-step row-by-row substitution on the whole tile was 4.1 ms
+    of a 19.5 ms delta-rule forward+backward on an H200 (B2 T16384 H16 D128). Dots run in 3xTF32
+    (float32 accuracy) whatever the inputs' dtype: the inverse feeds every output.
     """
+    BLK: tl.constexpr = INV_BLOCK if C > INV_BLOCK else C
     r = tl.arange(0, C)
+    same = (r[:, None] // BLK) == (r[None, :] // BLK)
+    a_d = tl.where(same, a, 0.0)
     n = tl.zeros([C, C], dtype=tl.float32)
-    for i in range(1, C):
-        a_i = -tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
-        n_i = a_i + tl.sum(a_i[:, None] * n, axis=0)
-        n = tl.where(r[:, None] == i, n_i[None, :], n)
-    return n + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BLK):
+        rows = ((r % BLK) == i)[:, None]
+        a_i = tl.where(rows, a_d, 0.0)
+        n = tl.where(rows, -a_i - tl.dot(a_i, n, input_precision="tf32x3"), n)
+    d_inv = n + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    if C > BLK:
+        x = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision="tf32x3")
+        x2 = tl.dot(x, x, input_precision="tf32x3")
+        d_inv = d_inv - tl.dot(x, d_inv, input_precision="tf32x3")        # (I - X) D^-1
+        d_inv = d_inv + tl.dot(x2, d_inv, input_precision="tf32x3")       # (I + X^2)(I - X) D^-1
+    return d_inv
 
 
 # ----------------------------------------------------------------------------- forward kernels

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridzoo.kernels.triton.heads import sum_head_groups
+
 from hybridzoo.kernels.triton.linear_attn import (
     LOG_A_MIN,
     SUB_CHUNK,
@@ -366,7 +368,6 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     if need_dlog_a:  # dg is per key; a scalar decay per head gets the sum over keys
         dlog_a = dg if decay == 2 else dg.sum(-1)
         dlog_a = torch.where(log_a < LOG_A_MIN, 0.0, dlog_a)       # clamped: no gradient
-    G = H // HK
-    dq = dq.view(B, T, HK, G, K).sum(3).to(q.dtype)
-    dk = dk.view(B, T, HK, G, K).sum(3).to(k.dtype)
+    dq = sum_head_groups(dq, HK, q.dtype)
+    dk = sum_head_groups(dk, HK, k.dtype)
     return dq, dk, dv, dlog_a, dh0
