@@ -11,9 +11,10 @@ chunk start, ``e``: decay to the chunk end, ``γ_C``: the whole chunk's decay)::
 
 Decays are in-chunk sums of ``log_a`` built with additions only (``Γ`` from a masked cumulative
 sum, as :func:`~hybridzoo.kernels.reference.segsum.segsum`), so ``log_a = -inf`` gives 0, never
-NaN. States are float32; matrix products accumulate in float32 (3xTF32 for float32 inputs, TF32
-for bf16/fp16 inputs). The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W, U0`` and the
-chunk states from the saved inputs instead of storing them.
+NaN. States are float32; matrix products accumulate in float32, on operands rounded to the
+inputs' dtype (bf16/fp16 tensor cores for 16-bit inputs, as fla; 3xTF32 for float32 inputs), except
+the triangular inverse, always 3xTF32. The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W,
+U0`` and the chunk states from the saved inputs instead of storing them.
 
 ``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
 or 64 are used as given, any other value runs with 64.
@@ -77,6 +78,14 @@ def _load_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b`` with float32 accumulation, operands rounded to ``DT`` (the inputs' dtype): 16-bit
+    inputs get bf16/fp16 tensor-core dots as in fla (TF32 dots of float32 tiles ran at half the
+    rate); float32 inputs keep float32 operands (3xTF32)."""
+    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
 def _store_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr, x):
     mask = mask_t[:, None] & (offs[None, :] < D)
     tl.store(ptr + rows[:, None] * width + offs[None, :], x.to(ptr.dtype.element_ty), mask=mask)
@@ -126,6 +135,7 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
 
@@ -134,16 +144,16 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
 
     k_beta = key * beta[:, None]
-    a = tl.dot(k_beta, tl.trans(key), input_precision=PREC) * gamma_mat
+    a = _dot(k_beta, tl.trans(key), DT, PREC) * gamma_mat
     a = tl.where(offs_c[:, None] > offs_c[None, :], a, 0.0)
     tm = _unit_lower_inverse(a, C)
     _store_rows(tm_ptr, rows, C, offs_c, mask_t, C, tm)
-    w = tl.dot(tm, k_beta * gamma_in[:, None], input_precision=PREC)
+    w = _dot(tm, k_beta * gamma_in[:, None], DT, PREC)
     _store_rows(w_ptr, rows, K, offs_k, mask_t, K, w)
     for i_v in range(0, tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
-        u = tl.dot(tm, value * beta[:, None], input_precision=PREC)
+        u = _dot(tm, value * beta[:, None], DT, PREC)
         _store_rows(u_ptr, rows, V, offs_v, mask_t, V, u)
 
 
@@ -156,6 +166,7 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
     chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0`` and the final state."""
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     s_offs = offs_k[:, None] * V + offs_v[None, :]
     s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
@@ -168,11 +179,11 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
         offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
         w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
         u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
-        vn = u - tl.dot(w, state, input_precision=PREC)
+        vn = u - _dot(w, state, DT, PREC)
         _store_rows(vn_ptr, rows, V, offs_v, mask_t, V, vn)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
         _, _, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
-        state = state * gamma_chunk + tl.dot(tl.trans(key * gamma_out[:, None]), vn, input_precision=PREC)
+        state = state * gamma_chunk + _dot(tl.trans(key * gamma_out[:, None]), vn, DT, PREC)
     tl.store(ht_ptr + i_bh.to(tl.int64) * K * V + s_offs, state, mask=s_mask)
 
 
@@ -183,6 +194,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
     """``O = scale · ((γ ⊙ Q) S0 + (Q Kᵀ ⊙ Γ) Vn)`` for one chunk, head and V-block."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
 
@@ -193,9 +205,9 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
     s0 = tl.load(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + offs_k[:, None] * V + offs_v[None, :],
                  mask=s_mask, other=0.0)
     vn = _load_rows(vn_ptr, rows, V, offs_v, mask_t, V)
-    scores = tl.dot(query, tl.trans(key), input_precision=PREC) * gamma_mat
-    o = tl.dot(query * gamma_in[:, None], s0, input_precision=PREC)
-    o += tl.dot(scores, vn, input_precision=PREC)
+    scores = _dot(query, tl.trans(key), DT, PREC) * gamma_mat
+    o = _dot(query * gamma_in[:, None], s0, DT, PREC)
+    o += _dot(scores, vn, DT, PREC)
     _store_rows(o_ptr, rows, V, offs_v, mask_t, V, o * scale)
 
 

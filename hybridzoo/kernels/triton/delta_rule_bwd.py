@@ -28,7 +28,8 @@ import triton.language as tl
 
 from hybridzoo.kernels.triton.heads import sum_head_groups
 
-from hybridzoo.kernels.triton.delta_rule import _autotuned, _chunk_decays, _chunk_rows, _load_rows, _store_rows
+from hybridzoo.kernels.triton.delta_rule import (_autotuned, _chunk_decays, _chunk_rows, _dot, _load_rows,
+                                                  _store_rows)
 
 
 @triton.jit
@@ -38,14 +39,15 @@ def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
     """The in-chunk part of dVn: ``scale · (Q Kᵀ ⊙ Γ)ᵀ dO``."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
     gamma_mat, _, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
-    scores = tl.dot(query, tl.trans(key), input_precision=PREC) * gamma_mat
+    scores = _dot(query, tl.trans(key), DT, PREC) * gamma_mat
     do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
-    dv = tl.dot(tl.trans(scores), do, input_precision=PREC) * scale
+    dv = _dot(tl.trans(scores), do, DT, PREC) * scale
     _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dv)
 
 
@@ -60,6 +62,7 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
     writes the initial state's gradient."""
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     s_offs = offs_k[:, None] * V + offs_v[None, :]
     s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
@@ -74,14 +77,14 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
         _, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
         dvn = _load_rows(dv_ptr, rows, V, offs_v, mask_t, V)
-        dvn += tl.dot(key * gamma_out[:, None], dstate, input_precision=PREC)
+        dvn += _dot(key * gamma_out[:, None], dstate, DT, PREC)
         _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dvn)
         query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
         do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
         w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
         dstate = dstate * gamma_chunk
-        dstate += tl.dot(tl.trans(query * (gamma_in * scale)[:, None]), do, input_precision=PREC)
-        dstate -= tl.dot(tl.trans(w), dvn, input_precision=PREC)
+        dstate += _dot(tl.trans(query * (gamma_in * scale)[:, None]), do, DT, PREC)
+        dstate -= _dot(tl.trans(w), dvn, DT, PREC)
     tl.store(dh0_ptr + i_bh.to(tl.int64) * K * V + s_offs, dstate, mask=s_mask)
 
 
@@ -93,6 +96,7 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
@@ -111,23 +115,23 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         vn = _load_rows(vn_ptr, rows, V, offs_v, mask_t, V)
         dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
         do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
-        dq_acc += tl.dot(do, tl.trans(s0), input_precision=PREC)
-        dw -= tl.dot(dvn, tl.trans(s0), input_precision=PREC)
-        dk_end += tl.dot(vn, tl.trans(ds1), input_precision=PREC)
-        do_vn += tl.dot(do, tl.trans(vn), input_precision=PREC)
+        dq_acc += _dot(do, tl.trans(s0), DT, PREC)
+        dw -= _dot(dvn, tl.trans(s0), DT, PREC)
+        dk_end += _dot(vn, tl.trans(ds1), DT, PREC)
+        do_vn += _dot(do, tl.trans(vn), DT, PREC)
         dgamma_chunk += tl.sum(s0 * ds1, axis=1)
 
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
     gamma_mat, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
     ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
-    dq = dq_acc * (gamma_in * scale)[:, None] + tl.dot(ds_mat, key, input_precision=PREC)
-    dk = tl.dot(tl.trans(ds_mat), query, input_precision=PREC) + dk_end * gamma_out[:, None]
+    dq = dq_acc * (gamma_in * scale)[:, None] + _dot(ds_mat, key, DT, PREC)
+    dk = _dot(tl.trans(ds_mat), query, DT, PREC) + dk_end * gamma_out[:, None]
     _store_rows(dq_ptr, rows, K, offs_k, mask_t, K, dq)
     _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
     _store_rows(dw_ptr, rows, K, offs_k, mask_t, K, dw)
 
-    m = ds_mat * tl.dot(query, tl.trans(key), input_precision=PREC)   # dΓ ⊙ Γ from the read
+    m = ds_mat * _dot(query, tl.trans(key), DT, PREC)   # dΓ ⊙ Γ from the read
     dgamma_in = tl.sum(query * dq_acc, axis=1) * scale
     de = tl.sum(key * dk_end, axis=1) * gamma_out
     last = tl.sum(de, axis=0) + tl.sum(dgamma_chunk, axis=0) * gamma_chunk
@@ -147,6 +151,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     Keys are visited in blocks of ``BKW`` (twice: dA needs every key before dk can be finished)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
 
@@ -158,12 +163,12 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     for i_v in range(0, tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
-        dxv = tl.dot(tl.trans(tm), dvn, input_precision=PREC)
+        dxv = _dot(tl.trans(tm), dvn, DT, PREC)
         value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
         u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
         _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dxv * beta[:, None])
         dbeta += tl.sum(value * dxv, axis=1)
-        da += tl.dot(dxv, tl.trans(u), input_precision=PREC)
+        da += _dot(dxv, tl.trans(u), DT, PREC)
 
     kk = tl.zeros([C, C], dtype=tl.float32)         # K Kᵀ
     rk = tl.zeros([C], dtype=tl.float32)            # Σ_k K ⊙ dX_K
@@ -171,20 +176,20 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
         offs_k = i_k * BKW + tl.arange(0, BKW)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
         w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
-        dxk = tl.dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), input_precision=PREC)
-        da += tl.dot(dxk, tl.trans(w), input_precision=PREC)
-        kk += tl.dot(key, tl.trans(key), input_precision=PREC)
+        dxk = _dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), DT, PREC)
+        da += _dot(dxk, tl.trans(w), DT, PREC)
+        kk += _dot(key, tl.trans(key), DT, PREC)
         rk += tl.sum(key * dxk, axis=1)
     da = tl.where(offs_c[:, None] > offs_c[None, :], -da, 0.0)
     p = da * gamma_mat                               # dA ⊙ Γ
     for i_k in range(0, tl.cdiv(K, BKW)):
         offs_k = i_k * BKW + tl.arange(0, BKW)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        dxk = tl.dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), input_precision=PREC)
+        dxk = _dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), DT, PREC)
         dk = _load_rows(dk_ptr, rows, K, offs_k, mask_t, K)
         dk += dxk * (beta * gamma_in)[:, None]
-        dk += tl.dot(p, key, input_precision=PREC) * beta[:, None]
-        dk += tl.dot(tl.trans(p), key * beta[:, None], input_precision=PREC)
+        dk += _dot(p, key, DT, PREC) * beta[:, None]
+        dk += _dot(tl.trans(p), key * beta[:, None], DT, PREC)
         _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
     dbeta += gamma_in * rk + tl.sum(p * kk, axis=1)
     tl.store(dbeta_ptr + rows, dbeta, mask=mask_t)

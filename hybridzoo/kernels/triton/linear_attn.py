@@ -49,10 +49,17 @@ __all__ = ["chunk_linear_attn", "SUPPORTED_CHUNK_SIZES"]
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
 SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
-# Warps per program of every chunk kernel (64-wide tiles): with Triton's default of 4, ptxas spills
-# up to 3.4 KB per thread in the backward at K = V = 128 in bf16; with 8 none spills more than
-# 260 B (``scripts/kernel_resources.py``; settings only, the results do not depend on them).
+# Warps per program of the chunk kernels whose tiles are 64 wide on both head dimensions: with
+# Triton's default of 4, ptxas spills up to 3.4 KB per thread in the backward at K = V = 128 in
+# bf16; with 8 none spills more than 260 B (``scripts/kernel_resources.py``). Narrower tiles keep
+# 4: a Mamba-2 MQAR model (K = 64, V = 32: [64, 64] x [64, 32] dots) hit an illegal memory access
+# on an H200 with 8 warps, and 4 is the setting every such shape was verified with.
 WARPS = 8
+
+
+def _warps(*tiles: int) -> int:
+    """num_warps of a chunk kernel launch from its tile widths (settings only: same results)."""
+    return WARPS if min(tiles) >= 64 else 4
 
 
 def _interpret() -> bool:
@@ -290,7 +297,7 @@ def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False):
         initial_state if initial_state is not None else dummy, hT if store_final else dummy,
         T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
         HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final, PREC=_prec(v.dtype),
-        NT_LOOP=_loop_count(NT), num_warps=WARPS)
+        NT_LOOP=_loop_count(NT), num_warps=_warps(BK, BV))
     return h, hT
 
 
@@ -300,7 +307,7 @@ def intra_A(q, k, b, H, C):
     A = _new(B, H, T, C, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(T, C), B * H)
     _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=_block(K),
-                          PREC=_prec(q.dtype), num_warps=WARPS)
+                          PREC=_prec(q.dtype), num_warps=_warps(_block(K)))
     return A
 
 
@@ -314,7 +321,7 @@ def fwd_o(q, k, v, b, h, A, scale, decay, C):
     grid = (triton.cdiv(V, BV), NT, B * H)
     _fwd_o_kernel[grid](q, k, v, b if b is not None else dummy, h, A if A is not None else dummy, o,
                         float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
-                        PREC=_prec(v.dtype), num_warps=WARPS)
+                        PREC=_prec(v.dtype), num_warps=_warps(BK, BV))
     return o
 
 

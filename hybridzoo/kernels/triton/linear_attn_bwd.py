@@ -40,12 +40,12 @@ from hybridzoo.kernels.triton.heads import sum_head_groups
 from hybridzoo.kernels.triton.linear_attn import (
     LOG_A_MIN,
     SUB_CHUNK,
-    WARPS,
     _block,
     _exp_le0,
     _loop_count,
     _new,
     _prec,
+    _warps,
     chunk_cumsum,
     fwd_h,
     intra_A,
@@ -344,25 +344,25 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     _bwd_dh_kernel[grid](q, b_, do, dh, dhT if dhT is not None else dummy,
                          dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K,
                          V=V, C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None,
-                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=_loop_count(NT), num_warps=WARPS)
+                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=_loop_count(NT), num_warps=_warps(BK, BV))
 
     A = intra_A(q, k, b, H, C) if decay == 2 else None
     dv = _new(*v.shape, dtype=v.dtype, device=v.device)
     _bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
         q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK, K=K,
-        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=WARPS)
+        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=_warps(BK, BV))
 
     dq = _new(B, T, H, K, **f32)
     dk = _new(B, T, H, K, **f32)
     if decay == 2:
         dA = _new(B, H, T, C, **f32)
-        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec, num_warps=WARPS)
+        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec, num_warps=_warps(BV))
         _bwd_intra_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
-            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec, num_warps=WARPS)
+            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec, num_warps=_warps(BK))
     dg = _new(B, T, H, K, **f32) if need_dlog_a else None
     _bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
         q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, float(scale), T, NT, H=H,
-        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec, num_warps=WARPS)
+        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec, num_warps=_warps(BK, BV))
 
     dlog_a = None
     if need_dlog_a:  # dg is per key; a scalar decay per head gets the sum over keys
