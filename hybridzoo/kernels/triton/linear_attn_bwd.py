@@ -242,14 +242,15 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
 
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, scale, T, NT, H: tl.constexpr,
+def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, H: tl.constexpr,
                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, STORE_DG: tl.constexpr,
                     PREC: tl.constexpr):
-    """dq, dk per value head (fp32 [B, T, H, K]); per-key decay adds to the intra parts there.
+    """dq, dk per value head ([B, T, H, K]; per-key decay adds to the intra parts there, fp32).
 
-    With STORE_DG, also the decay gradient per key, dg (fp32 [B, T, H, K]), in the chunk-local
-    closed form (module docstring).
+    With STORE_DG, also the decay gradient in the chunk-local closed form (module docstring):
+    per key (fp32 [B, T, H, K]) for per-key decays; for a scalar decay this K-block's sum over its
+    keys, at ``dg + i_k * dg_stride`` (fp32 [NK, B, T, H], summed over NK by the launcher).
     """
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -317,7 +318,10 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, scale, T, NT, H: tl.const
         writes_out = k_f * dk_inter
         dg_t = tl.cumsum(reads, axis=0, reverse=True) + (tl.cumsum(writes_out, axis=0) - writes_out) \
             + through[None, :]
-        tl.store(dg + out, dg_t, mask=m_tk)
+        if DECAY == 2:
+            tl.store(dg + out, dg_t, mask=m_tk)
+        else:
+            tl.store(dg + i_k * dg_stride + rows * H + i_h, tl.sum(tl.where(m_k, dg_t, 0.0), axis=1), mask=m_t)
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *,
@@ -352,21 +356,27 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
         q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK, K=K,
         V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=_warps(BK, BV))
 
-    dq = _new(B, T, H, K, **f32)
-    dk = _new(B, T, H, K, **f32)
+    # dq, dk straight in the inputs' dtype when nothing is added to them afterwards (no per-key
+    # intra part, no sum over the value heads of a q/k head); else float32
+    grad_dtype = q.dtype if (decay != 2 and HK == H) else torch.float32
+    dq = _new(B, T, H, K, dtype=grad_dtype, device=v.device)
+    dk = _new(B, T, H, K, dtype=grad_dtype, device=v.device)
     if decay == 2:
         dA = _new(B, H, T, C, **f32)
         _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec, num_warps=_warps(BV))
         _bwd_intra_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
             q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec, num_warps=_warps(BK))
-    dg = _new(B, T, H, K, **f32) if need_dlog_a else None
-    _bwd_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
-        q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, float(scale), T, NT, H=H,
+    NK = triton.cdiv(K, BK)
+    dg = None
+    if need_dlog_a:  # per key, or (scalar decay) one sum per key block
+        dg = _new(B, T, H, K, **f32) if decay == 2 else _new(NK, B, T, H, **f32)
+    _bwd_dqk_kernel[(NK, NT, B * H)](
+        q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H, float(scale), T, NT, H=H,
         HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec, num_warps=_warps(BK, BV))
 
     dlog_a = None
-    if need_dlog_a:  # dg is per key; a scalar decay per head gets the sum over keys
-        dlog_a = dg if decay == 2 else dg.sum(-1)
+    if need_dlog_a:  # a scalar decay per head gets the sum over the key blocks
+        dlog_a = dg if decay == 2 else (dg[0] if NK == 1 else dg.sum(0))
         dlog_a = torch.where(log_a < LOG_A_MIN, 0.0, dlog_a)       # clamped: no gradient
     dq = sum_head_groups(dq, HK, q.dtype)
     dk = sum_head_groups(dk, HK, k.dtype)

@@ -115,6 +115,15 @@ def test_matches_reference(decay, shape):
     check(decay, **shape)
 
 
+@pytest.mark.parametrize("dtype", (F32, torch.float16), ids=["fp32", "fp16"])
+@pytest.mark.parametrize("decay", DECAYS)
+def test_own_key_heads_and_two_key_blocks(decay, dtype):
+    """Hk = H (dq, dk written straight in the inputs' dtype) and K = 80 (two 64-wide key blocks:
+    a scalar decay's gradient is summed over the blocks' partial sums)."""
+    check(decay, seed=6, B=1, T=40, Hk=2, H=2, K=80, V=24, chunk_size=16, dtype=dtype,
+          tol=1e-5 if dtype == F32 else 1e-2)
+
+
 @pytest.mark.parametrize("decay", DECAYS)
 def test_16bit_inputs_match_reference(decay):
     """16-bit inputs (the GPU training path): chunk states h and dh stored in the inputs' dtype
