@@ -33,6 +33,7 @@ def _models(name: str) -> tuple[HybridLM, HybridLM]:
 
 
 def _loss_and_grads(model: HybridLM, ids: torch.Tensor, autocast: bool):
+    """(loss, {parameter name: float32 gradient}) of one forward+backward, bf16 autocast if asked."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         _, _, loss = model(ids, labels=ids)
@@ -49,13 +50,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_model_matches_reference_on_gpu(name: str, autocast: bool):
+    """fp32: the loss and every gradient within 1e-3 of the reference kernels'. bf16 autocast: each gradient's
+    error against the fp32 reference within twice what bf16 autocast itself causes with the
+    reference kernels, plus 2e-2 (autocast alone moves some small GDN gradients by 4-8%: a flat
+    5e-2 failed mqar-gdn-s at 7.6e-2 on an H200 where every fp32 comparison passed)."""
     reference, fast = _models(name)
     ids = torch.randint(0, 512, (64, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     ref_loss, ref_grads = _loss_and_grads(reference, ids, autocast=False)
     loss, grads = _loss_and_grads(fast, ids, autocast)
-    tol = 3e-2 if autocast else 1e-3
     assert torch.isfinite(loss), name
-    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
     assert grads.keys() == ref_grads.keys()
-    worst = max(((_rel(grads[n], ref_grads[n]), n) for n in ref_grads), key=lambda x: x[0])
-    assert worst[0] <= (5e-2 if autocast else 1e-3), (name, worst)
+    if not autocast:
+        assert abs(loss.item() - ref_loss.item()) <= 1e-3 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
+        worst = max(((_rel(grads[n], ref_grads[n]), n) for n in ref_grads), key=lambda x: x[0])
+        assert worst[0] <= 1e-3, (name, worst)
+        return
+    assert abs(loss.item() - ref_loss.item()) <= 3e-2 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
+    _, bf16_ref_grads = _loss_and_grads(reference, ids, autocast=True)
+    bad = {n: (round(_rel(grads[n], ref_grads[n]), 4), round(_rel(bf16_ref_grads[n], ref_grads[n]), 4))
+           for n in ref_grads
+           if not _rel(grads[n], ref_grads[n]) <= 2 * _rel(bf16_ref_grads[n], ref_grads[n]) + 2e-2}
+    assert not bad, (name, "(ours, reference kernels) under bf16 vs fp32:", bad)
