@@ -6,7 +6,8 @@
 #
 #   bash scripts/gpu_jobs.sh "<jobs of GPU 0>" ["<jobs of GPU 1>" ...]
 #
-# Jobs (space separated, run in order within a lane; a lane is one GPU):
+# Jobs (space separated, run in order within a lane; a lane is one GPU; "<job>~<s>" gives one job
+# <s> seconds instead of JOB_S, within the deadline, e.g. bench=per-key~500):
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
 #                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
 #                                names mamba or backends (otherwise its adapter test skips)
@@ -20,6 +21,7 @@
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
 #   script=<path>                bash <path> <output dir> (a one-off check carried in .gpu_in/)
 # Logs are named by lane and by the job's place in its lane (tests_<lane>_<job>.log).
+# $OUT/triton_cache.tar.gz brings Triton's caches back; put it in .gpu_in/ (carried) to reuse them.
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
 # MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
 # mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
@@ -30,6 +32,11 @@ OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$OUT" "$RES"
 START=$(date +%s); DEADLINE_S=${DEADLINE_S:-560}; JOB_S=${JOB_S:-300}
 source scripts/gpu_setup.sh > "$RES/setup.log" 2>&1
 [ -d .gpu_in ] && cp -r .gpu_in/. "$RES/" 2>/dev/null
+# Triton's compile and autotune caches at a fixed path, so that a cache carried from an earlier
+# call (.gpu_in/triton_cache.tar.gz: what $OUT/triton_cache.tar.gz brought back) is found again:
+# fla's chunk_gla autotuning alone outlasted 240-280 s job caps three times.
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .gpu_in/triton_cache.tar.gz ] && tar xzf .gpu_in/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
 if echo "$*" | grep -Eq "mamba|selective|conv"; then
   (MAX_JOBS=12 bash scripts/build_mamba.sh > "$RES/mamba_build.log" 2>&1; touch "$RES/.mamba_done") &
 else
@@ -40,8 +47,10 @@ left() { echo $(( DEADLINE_S - ($(date +%s) - START) - 15 )); }
 limit() { local l; l=$(left); [ "$l" -lt "$JOB_S" ] && echo "$l" || echo "$JOB_S"; }
 wait_mamba() { while [ ! -e "$RES/.mamba_done" ]; do sleep 2; done; }
 
-run_job() {  # $1 = job spec; runs on the lane's GPU
-  local spec=$1 name=${1%%=*} arg=${1#*=} lim; lim=$(limit)
+run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
+  local spec=${1%%~*} cap lim; lim=$(limit)
+  [ "$spec" != "$1" ] && { cap=${1##*~}; lim=$(left); [ "$cap" -lt "$lim" ] && lim=$cap; }  # instead of JOB_S
+  local name=${spec%%=*} arg=${spec#*=}
   [ "$lim" -le 20 ] && { echo "$spec: no time left" >> "$RES/skipped.txt"; return; }
   [ "$arg" = "$spec" ] && arg=""
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
@@ -91,4 +100,10 @@ for p in "${pids[@]}"; do pkill -TERM -P "$p" 2>/dev/null; done; sleep 2
   for f in "$RES"/*.log "$RES"/*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 15 "$f" | cut -c1-240; }; done
 } > "$OUT/summary.txt"
 rm -rf /tmp/res_pack && cp -r "$RES" /tmp/res_pack && tar czf "$OUT/results.tar.gz" -C /tmp/res_pack .
+# the caches for the next call: compiled kernels (binary + metadata) and autotune choices; only the
+# autotune choices if that is over the 16 MiB a returned file may have
+( cd "$TRITON_CACHE_DIR" && find . -name '*.cubin' -o -name '*.json' | tar czf "$OUT/triton_cache.tar.gz" -T - )
+if [ "$(stat -c %s "$OUT/triton_cache.tar.gz")" -gt 15000000 ]; then
+  ( cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton_cache.tar.gz" -T - )
+fi
 cat "$OUT/summary.txt" | tail -n 120
