@@ -216,7 +216,12 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # The two sequential kernels (one program per (batch·head, V-block), a loop over all chunks) set
 # the pace; on a GPU they are autotuned over the V-block width and warps (the same results for
 # every config: V columns are independent). Under the interpreter they run with _Config's sizes.
-STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1) for bv in (32, 64) for warps in (4, 8)]
+# 8 warps only with 64-wide value tiles: 8 warps on a 32-wide tile is the shape class of the
+# illegal memory access Triton 3.6 produced on an H200 in the linear-attention output kernel
+# ([64, 64] x [64, 32] dots; see linear_attn._warps); an autotuning trial that faults would
+# kill the process, so such configs are not tried.
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1)
+                 for bv, warps in ((32, 4), (64, 4), (64, 8))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 
