@@ -1,0 +1,63 @@
+"""Reproduce the Triton 3.6 illegal memory access of linear-attention kernels launched with 8 warps
+on [64, 64] x [64, 32] tiles (seen on an H200; benchmarks/results/2026-11-30-gpu-tests-h200.md).
+
+Run each case in its own process (a fault kills the CUDA context), e.g.:
+
+    for w in auto 8 4; do CUDA_LAUNCH_BLOCKING=1 python3 scripts/probe_warps.py la_64 $w; done
+    CUDA_LAUNCH_BLOCKING=1 python3 scripts/probe_warps.py mqar-mamba2-l:auto 8
+
+Modes: ``la_<K>`` (chunk_linear_attn, scalar decay, B 64, T 256, Hk 1, H 4, K, V 32, bf16),
+``conv`` (causal_conv1d, B 64, T 256, 256 channels), ``<recipe>:<backend>`` (that recipe's model,
+one bf16-autocast step at B 64, T 256). Warps: ``auto`` (hybridzoo's choice) or a number forced on
+every linear-attention launch. Prints ``PROBE <mode> <warps> OK|FAIL ...``.
+"""
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+mode, warps = sys.argv[1], sys.argv[2]
+import hybridzoo.kernels.triton.linear_attn as la  # noqa: E402
+import hybridzoo.kernels.triton.linear_attn_bwd as lab  # noqa: E402
+if warps != "auto":  # force one num_warps on every linear-attention launch
+    la._warps = lab._warps = (lambda *tiles, w=int(warps): w)
+import hybridzoo.kernels as K  # noqa: E402
+from hybridzoo import HybridConfig, HybridLM  # noqa: E402
+from hybridzoo.kernels.reference.linear_attn import chunk_linear_attn as ref  # noqa: E402
+dev = "cuda"
+torch.manual_seed(0)
+try:
+    if mode.startswith("la"):
+        Kd = int(mode.split("_")[1])
+        q = torch.randn(64, 256, 1, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(64, 256, 1, Kd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(64, 256, 4, 32, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        la_ = (-torch.rand(64, 256, 4, device=dev) * 0.1).requires_grad_(True)
+        o, s = K.chunk_linear_attn(q, k, v, la_, scale=1.0, output_final_state=True, backend="triton")
+        torch.cuda.synchronize(); print("fwd ok", flush=True)
+        (o.float().sum() + s.sum()).backward(); torch.cuda.synchronize(); print("bwd ok", flush=True)
+        o2, s2 = ref(q.float(), k.float(), v.float(), la_, scale=1.0, output_final_state=True)
+        print("rel err o", ((o.float() - o2).norm() / o2.norm()).item())
+    elif mode == "conv":
+        x = torch.randn(64, 256, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(256, 4, device=dev, requires_grad=True); b = torch.randn(256, device=dev, requires_grad=True)
+        y, _ = K.causal_conv1d(x, w, b, activation="silu", output_final_state=True, backend="triton")
+        y.float().sum().backward(); torch.cuda.synchronize(); print("conv ok")
+    else:
+        name, backend = mode.split(":")
+        cfg = yaml.safe_load(open(ROOT / "hybridzoo" / "recipes" / f"{name}.yaml"))["model"]["config"]
+        cfg.update(vocab_size=8192, backend=backend)
+        m = HybridLM(HybridConfig(**cfg)).to(dev)
+        ids = torch.randint(0, 8192, (64, 256), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, _, loss = m(ids, labels=ids)
+        torch.cuda.synchronize(); print("fwd ok", loss.item(), flush=True)
+        loss.backward(); torch.cuda.synchronize(); print("bwd ok", flush=True)
+    print("PROBE", mode, warps, "OK")
+except Exception as e:
+    traceback.print_exc()
+    print("PROBE", mode, warps, "FAIL", type(e).__name__, str(e)[:200])
