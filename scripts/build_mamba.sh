@@ -4,8 +4,15 @@
 # build fails, install mamba_ssm's Triton parts only (MAMBA_SKIP_CUDA_BUILD) with a stub for the
 # missing selective_scan_cuda module, so that mamba_chunk_scan_combined still imports.
 # Usage: bash scripts/build_mamba.sh   (after `source scripts/gpu_setup.sh`)
+# A build brought back by an earlier call (scripts/gpu_jobs.sh returns $OUT/mamba_built.tar.gz;
+# put it in .gpu_in/, carried) is unpacked instead: the build took 9 minutes on a busy host.
 set -u
 SITE=/tmp/site
+mkdir -p "$SITE"
+if [ -f .gpu_in/mamba_built.tar.gz ] && tar xzf .gpu_in/mamba_built.tar.gz -C "$SITE"; then
+  echo "mamba_ssm + causal_conv1d restored from .gpu_in/mamba_built.tar.gz"
+  exit 0
+fi
 mkdir -p /tmp/src && for f in .whl/*.tar.gz; do tar xzf "$f" -C /tmp/src; done
 for d in /tmp/src/mamba_ssm-* /tmp/src/causal_conv1d-*; do
   python3 - "$d/setup.py" <<'PY'
@@ -27,6 +34,8 @@ export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0
 if (cd /tmp/src/causal_conv1d-* && CAUSAL_CONV1D_FORCE_BUILD=TRUE python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" .) \
    && (cd /tmp/src/mamba_ssm-* && MAMBA_FORCE_BUILD=TRUE python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" .); then
   echo "mamba_ssm + causal_conv1d built for sm_90"
+  (cd "$SITE" && tar czf /tmp/mamba_built.tar.gz mamba_ssm mamba_ssm-*.dist-info causal_conv1d \
+     causal_conv1d-*.dist-info ./*.so) && echo "packed for the next call: /tmp/mamba_built.tar.gz"
 else
   echo "CUDA build failed: installing mamba_ssm's Triton parts only"
   (cd /tmp/src/mamba_ssm-* && MAMBA_SKIP_CUDA_BUILD=TRUE python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" .)

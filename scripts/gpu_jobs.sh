@@ -21,7 +21,8 @@
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
 #   script=<path>                bash <path> <output dir> (a one-off check carried in .gpu_in/)
 # Logs are named by lane and by the job's place in its lane (tests_<lane>_<job>.log).
-# $OUT/triton_cache.tar.gz brings Triton's caches back; put it in .gpu_in/ (carried) to reuse them.
+# $OUT/triton_cache.tar.gz brings Triton's caches back, $OUT/mamba_built.tar.gz a fresh mamba_ssm
+# build; put them in .gpu_in/ (carried) and the next call reuses them.
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
 # MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
 # mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
@@ -31,7 +32,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$OUT" "$RES"
 START=$(date +%s); DEADLINE_S=${DEADLINE_S:-560}; JOB_S=${JOB_S:-300}
 source scripts/gpu_setup.sh > "$RES/setup.log" 2>&1
-[ -d .gpu_in ] && cp -r .gpu_in/. "$RES/" 2>/dev/null
+cp .gpu_in/seco_*.json "$RES/" 2>/dev/null  # SeCO results to resume (seco= jobs)
 # Triton's compile and autotune caches at a fixed path, so that a cache carried from an earlier
 # call (.gpu_in/triton_cache.tar.gz: what $OUT/triton_cache.tar.gz brought back) is found again:
 # fla's chunk_gla autotuning alone outlasted 240-280 s job caps three times.
@@ -102,6 +103,9 @@ for p in "${pids[@]}"; do pkill -TERM -P "$p" 2>/dev/null; done; sleep 2
 rm -rf /tmp/res_pack && cp -r "$RES" /tmp/res_pack && tar czf "$OUT/results.tar.gz" -C /tmp/res_pack .
 # the caches for the next call: compiled kernels (binary + metadata) and autotune choices; only the
 # autotune choices if that is over the 16 MiB a returned file may have
+# a fresh mamba_ssm build (scripts/build_mamba.sh), if it fits the 16 MiB a returned file may have
+[ -f /tmp/mamba_built.tar.gz ] && [ "$(stat -c %s /tmp/mamba_built.tar.gz)" -lt 16000000 ] \
+  && cp /tmp/mamba_built.tar.gz "$OUT/"
 ( cd "$TRITON_CACHE_DIR" && find . -name '*.cubin' -o -name '*.json' | tar czf "$OUT/triton_cache.tar.gz" -T - )
 if [ "$(stat -c %s "$OUT/triton_cache.tar.gz")" -gt 15000000 ]; then
   ( cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton_cache.tar.gz" -T - )
