@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hybridzoo.kernels.triton.delta_rule as delta_rule  # noqa: E402
 import hybridzoo.kernels.triton.delta_rule_bwd as delta_rule_bwd  # noqa: E402
 import hybridzoo.kernels.triton.linear_attn as linear_attn  # noqa: E402
+from hybridzoo.kernels.triton import launch  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -59,7 +60,7 @@ def cases():
     """(name, kernel, types, constexprs, warps, stages) at the benchmark shapes (K 128, V 256 for
     the delta rule as in gated-deltanet-340m; K = V = 128 for linear attention)."""
     for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        ptr, prec = f"*{dt}", linear_attn._prec(torch_dtype)  # the precision the ops use
+        ptr, prec = f"*{dt}", launch.dot_precision(torch_dtype)  # the precision the ops use
         cfg = dict(H=6, G=1, K=128, V=256, C=64, BK=128, BV=64, PREC=prec)
         warps, stages = 8, 1  # delta_rule._Config for BK = 128
         yield (f"delta_rule _state_fwd_kernel {dt}", delta_rule._state_fwd_kernel,
@@ -75,10 +76,10 @@ def cases():
         yield (f"linear_attn _fwd_h_kernel {dt}", linear_attn._fwd_h_kernel,
                {"k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "h0": "*fp32", "hT": "*fp32", "T": "i32",
                 "NT": "i32"},
-               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), linear_attn.WARPS, 3)
+               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), launch.warps(64, 64), 3)
         yield (f"linear_attn _fwd_o_kernel {dt}", linear_attn._fwd_o_kernel,
                {"q": ptr, "k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "A": "*fp32", "o": ptr,
-                "scale": "fp32", "T": "i32", "NT": "i32"}, la, linear_attn.WARPS, 3)
+                "scale": "fp32", "T": "i32", "NT": "i32"}, la, launch.warps(64, 64), 3)
 
 
 INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32;
@@ -95,14 +96,18 @@ def all_kernels():
     import hybridzoo.kernels.triton.prefix_attention_bwd as prefix_bwd
 
     for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        prec = linear_attn._prec(torch_dtype)
+        prec = launch.dot_precision(torch_dtype)
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
                       STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0,
                       D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0)
-        for module, warps, stages in ((linear_attn, linear_attn.WARPS, 3), (linear_attn_bwd, linear_attn.WARPS, 3),
-                                      (delta_rule, 8, 1), (prefix_bwd, 8, 3),
-                                      (delta_rule_bwd, 8, 1)):
+        # the delta rule's own settings at K = V = 256 (its _Config on shape-only tensors)
+        dr = delta_rule._Config(torch.empty(1, 1, 2, 256, device="meta", dtype=torch_dtype),
+                                torch.empty(1, 1, 4, 256, device="meta", dtype=torch_dtype), 64)
+        la_warps = launch.warps(values["BK"], values["BV"])
+        for module, warps, stages in ((linear_attn, la_warps, 3), (linear_attn_bwd, la_warps, 3),
+                                      (delta_rule, dr.warps, dr.stages), (prefix_bwd, None, None),
+                                      (delta_rule_bwd, dr.warps, dr.stages)):
             for name, kernel in vars(module).items():
                 if (type(kernel).__name__ != "JITFunction" or kernel.__module__ != module.__name__
                         or not name.endswith("_kernel")):
@@ -110,7 +115,7 @@ def all_kernels():
                 params = inspect.signature(kernel.fn).parameters
                 constexprs = {p: values[p] for p in params if "constexpr" in str(params[p].annotation)}
                 if module in (delta_rule, delta_rule_bwd):
-                    constexprs.update(BK=256, BV=32) if "BK" in constexprs else None
+                    constexprs.update(BK=dr.BK, BV=dr.BV) if "BK" in constexprs else None
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
                 inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
                           else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)
@@ -118,6 +123,8 @@ def all_kernels():
                              else "fp32" if p == "scale"
                              else f"*{dt}" if p.removesuffix("_ptr") in inputs else "*fp32")
                          for p in params if p not in constexprs}
+                if module is delta_rule_bwd and name in ("_dv_local_kernel", "_state_bwd_kernel"):
+                    types["dv_ptr"] = "*fp32"  # there dv_ptr is the float32 dVn buffer, not dv
                 launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
                 if module is prefix_bwd:  # the op's own tile choice for 256-wide heads
                     bm, bn, warps, stages = prefix_bwd._tiles(256, 256, torch_dtype)

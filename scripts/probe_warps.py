@@ -21,10 +21,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 mode, warps = sys.argv[1], sys.argv[2]
-import hybridzoo.kernels.triton.linear_attn as la  # noqa: E402
-import hybridzoo.kernels.triton.linear_attn_bwd as lab  # noqa: E402
-if warps != "auto":  # force one num_warps on every linear-attention launch
-    la._warps = lab._warps = (lambda *tiles, w=int(warps): w)
+from hybridzoo.kernels.triton import launch  # noqa: E402
+if warps != "auto":  # force one num_warps on every launch that asks launch.warps
+    launch.warps = (lambda *tiles, w=int(warps): w)
 import hybridzoo.kernels as K  # noqa: E402
 from hybridzoo import HybridConfig, HybridLM  # noqa: E402
 from hybridzoo.kernels.reference.linear_attn import chunk_linear_attn as ref  # noqa: E402

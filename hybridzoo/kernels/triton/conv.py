@@ -20,13 +20,12 @@ where positions before 0 read ``initial_state`` ``[B, W-1, Dm]`` (zeros if None)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.conv import _check
+from hybridzoo.kernels.triton import launch
 
 __all__ = ["causal_conv1d"]
 
@@ -35,14 +34,9 @@ def _config() -> dict:
     """Fixed block sizes: tiny under the interpreter (``TRITON_INTERPRET=1``), else GPU sizes
     (the fastest of four measured on one H200, B2 T16384 D2048 W4 bf16 silu: fwd 0.14 ms,
     fwd+bwd 5.3 ms)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if launch.interpret():
         return dict(block_t=8, block_d=8, warps=1)
     return dict(block_t=32, block_d=256, warps=4)
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Allocation of every buffer the kernels fully overwrite (tests poison it with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -143,7 +137,7 @@ class _CausalConv1dFn(torch.autograd.Function):
         cfg = _config()
         batch, length, dm = x.shape
         width = weight.shape[1]
-        y = _empty(x.shape, x.dtype, x.device)
+        y = launch.empty(x.shape, x.dtype, x.device)
         grid = (batch, triton.cdiv(length, cfg["block_t"]), triton.cdiv(dm, cfg["block_d"]))
         _fwd_kernel[grid](
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
@@ -161,10 +155,10 @@ class _CausalConv1dFn(torch.autograd.Function):
         batch, length, dm = x.shape
         width = weight.shape[1]
         n_tblocks = triton.cdiv(length + width - 1, cfg["block_t"])
-        dx = _empty(x.shape, x.dtype, x.device)
-        ds0 = None if initial_state is None else _empty(initial_state.shape, initial_state.dtype, x.device)
-        dw = _empty((batch, n_tblocks, dm, width), torch.float32, x.device)  # partial sums
-        db = None if bias is None else _empty((batch, n_tblocks, dm), torch.float32, x.device)
+        dx = launch.empty(x.shape, x.dtype, x.device)
+        ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
+        dw = launch.empty((batch, n_tblocks, dm, width), torch.float32, x.device)  # partial sums
+        db = None if bias is None else launch.empty((batch, n_tblocks, dm), torch.float32, x.device)
         _bwd_kernel[(batch, n_tblocks, triton.cdiv(dm, cfg["block_d"]))](
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
             dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
@@ -204,7 +198,7 @@ def causal_conv1d(
             "causal_conv1d (triton): float64 inputs are not supported by the Triton kernels; "
             "use backend='reference' for float64"
         )
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not launch.interpret():
         raise ValueError(
             f"causal_conv1d (triton): inputs must be on a CUDA device (got {x.device}); "
             "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"

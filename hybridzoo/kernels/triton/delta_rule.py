@@ -22,20 +22,14 @@ or 64 are used as given, any other value runs with 64.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.delta_rule import _check
+from hybridzoo.kernels.triton import launch
 
 __all__ = ["chunk_delta_rule"]
-
-
-def _empty(shape, *, dtype, device) -> torch.Tensor:
-    """Allocate a kernel output; tests replace this with a NaN fill to catch unwritten elements."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -218,7 +212,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # every config: V columns are independent). Under the interpreter they run with _Config's sizes.
 # 8 warps only with 64-wide value tiles: 8 warps on a 32-wide tile is the shape class of the
 # illegal memory access Triton 3.6 produced on an H200 in the linear-attention output kernel
-# ([64, 64] x [64, 32] dots; see linear_attn._warps); an autotuning trial that faults would
+# ([64, 64] x [64, 32] dots; see launch.WARPS); an autotuning trial that faults would
 # kill the process, so such configs are not tried.
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1)
                  for bv, warps in ((32, 4), (64, 4), (64, 8))]
@@ -228,7 +222,7 @@ STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 def _autotuned(kernel, restore: tuple[str, ...] = ()):
     """``kernel`` autotuned over :data:`STATE_CONFIGS` on a GPU (``restore``: buffers the kernel
     updates in place, restored between trials); the plain kernel under the interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if launch.interpret():
         return kernel
     return triton.autotune(STATE_CONFIGS, key=STATE_KEY, restore_value=list(restore) or None)(kernel)
 
@@ -248,20 +242,17 @@ class _Config:
         self.BK = max(16, triton.next_power_of_2(self.K))
         self.BV = min(max(16, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
         self.NV = triton.cdiv(self.V, self.BV)
-        # float32 inputs: 3xTF32 (float32 accuracy on tensor cores); exact "ieee" dots made ptxas
-        # spill 16-27 KB per thread here (scripts/kernel_resources.py). 16-bit inputs: tensor cores.
-        self.prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+        # float32 inputs: 3xTF32 (exact "ieee" dots made ptxas spill 16-27 KB per thread here)
+        self.prec = launch.dot_precision(q.dtype)
         self.warps = 4 if self.BK <= 64 else 8
         # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
         self.stages = 3 if self.BK <= 64 else 1
         self.device = q.device
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
         # Key block of the WY backward (several blocks are tested under the interpreter).
-        self.bkw = 16 if interpret else min(self.BK, 64)
-        # Triton 3.6's interpreter cannot loop to a runtime bound (numpy >= 2 refuses int() of
-        # its 1-element scalars): there the sequential kernels get the chunk count as a constant.
-        self.n_interp = self.N if interpret else 0
+        self.bkw = 16 if launch.interpret() else min(self.BK, 64)
+        # the sequential kernels' chunk count as a constant under the interpreter, else 0
+        self.n_interp = launch.loop_count(self.N)
 
     def consts(self) -> dict:
         return dict(H=self.H, G=self.G, K=self.K, V=self.V, C=self.C, BK=self.BK, BV=self.BV,
@@ -276,7 +267,7 @@ class _Config:
         return (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts
 
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
-        return _empty(shape, dtype=dtype, device=self.device)
+        return launch.empty(shape, dtype, self.device)
 
 
 def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
@@ -347,7 +338,7 @@ def chunk_delta_rule(
         to q, k, v, log_a, beta and initial_state, and from final_state.
     """
     _check(q, k, v, log_a, beta, initial_state, step=False)
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type != "cuda" and not launch.interpret():
         raise ValueError("triton chunk_delta_rule needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "importing triton); use backend='reference' on the CPU")
     if not isinstance(chunk_size, int) or chunk_size < 1:

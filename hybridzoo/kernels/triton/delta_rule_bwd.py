@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridzoo.kernels.triton.heads import sum_head_groups
-
+from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule import (_autotuned, _chunk_decays, _chunk_rows, _dot, _load_rows,
                                                   _store_rows)
 
@@ -226,6 +225,6 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)
     _bwd_wy_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, dvn, dw, dg, dk, dv, dbeta, dla, T, N,
                                BKW=cfg.bkw, **consts)
-    dq = sum_head_groups(dq, Hk, q.dtype)
-    dk = sum_head_groups(dk, Hk, k.dtype)
+    dq = launch.sum_head_groups(dq, Hk, q.dtype)
+    dk = launch.sum_head_groups(dk, Hk, k.dtype)
     return dq, dk, dv, dla.to(log_a.dtype), dbeta.to(beta.dtype), dh0

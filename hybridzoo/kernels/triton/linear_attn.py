@@ -36,55 +36,24 @@ size is a tiling choice: the result does not depend on it).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.linear_attn import _check
+from hybridzoo.kernels.triton import launch
 
 __all__ = ["chunk_linear_attn", "SUPPORTED_CHUNK_SIZES"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
 SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
-# Warps per program of the chunk kernels whose tiles are 64 wide on both head dimensions: with
-# Triton's default of 4, ptxas spills up to 3.4 KB per thread in the backward at K = V = 128 in
-# bf16; with 8 none spills more than 260 B (``scripts/kernel_resources.py``). Narrower tiles keep
-# 4: a Mamba-2 MQAR model (K = 64, V = 32: [64, 64] x [64, 32] dots) hit an illegal memory access
-# on an H200 with 8 warps, and 4 is the setting every such shape was verified with.
-WARPS = 8
-
-
-def _warps(*tiles: int) -> int:
-    """num_warps of a chunk kernel launch from its tile widths (settings only: same results)."""
-    return WARPS if min(tiles) >= 64 else 4
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _block(dim: int) -> int:
     """Tile width along a head dimension: a power of 2 in [16, 64] (wider heads loop over tiles)."""
     return min(max(16, triton.next_power_of_2(dim)), 64)
-
-
-POISON_OUTPUTS = False  # tests set this: every buffer starts as NaN, so an unwritten element shows
-
-
-def _new(*shape, dtype, device) -> torch.Tensor:
-    """An output / scratch buffer: uninitialised, or NaN-filled when POISON_OUTPUTS is set."""
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _loop_count(n: int) -> int:
-    """A sequential loop's trip count as a constexpr under the interpreter (which cannot loop
-    over a runtime int with numpy 2), 0 (= use the runtime argument) when compiled."""
-    return n if _interpret() else 0
 
 
 @triton.jit
@@ -260,12 +229,6 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _prec(dtype: torch.dtype) -> str:
-    """fp32 inputs: 3xTF32 dots (float32 accuracy; one tf32 pass would miss the 1e-4 bar, exact
-    "ieee" dots spill); 16-bit inputs: tensor cores."""
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 def _decay_kind(log_a: torch.Tensor | None) -> int:
     return 0 if log_a is None else (2 if log_a.dim() == 4 else 1)
 
@@ -274,7 +237,7 @@ def chunk_cumsum(log_a: torch.Tensor, C: int) -> torch.Tensor:
     """In-chunk cumulative sums of ``max(log_a, LOG_A_MIN)``, fp32, same shape as ``log_a``."""
     B, T, H = log_a.shape[:3]
     KD = log_a.shape[3] if log_a.dim() == 4 else 1
-    b = _new(*log_a.shape, dtype=torch.float32, device=log_a.device)
+    b = launch.empty(log_a.shape, torch.float32, log_a.device)
     BKD = min(64, triton.next_power_of_2(KD))
     grid = (triton.cdiv(T, C), B * H, triton.cdiv(KD, BKD))
     _chunk_cumsum_kernel[grid](log_a, b, T, H=H, KD=KD, C=C, BKD=BKD, LOG_MIN=LOG_A_MIN)
@@ -288,26 +251,27 @@ def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False):
     NT = triton.cdiv(T, C)
     BK, BV = _block(K), _block(V)
     f32 = dict(dtype=torch.float32, device=v.device)
-    h = _new(B, H, NT, K, V, dtype=state_dtype(v.dtype), device=v.device) if store_h else None
-    hT = _new(B, H, K, V, **f32) if store_final else None
+    h = launch.empty((B, H, NT, K, V), state_dtype(v.dtype), v.device) if store_h else None
+    hT = launch.empty((B, H, K, V), torch.float32, v.device) if store_final else None
     dummy = torch.empty(1, **f32)
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
     _fwd_h_kernel[grid](
         k, v, b if b is not None else dummy, h if store_h else dummy,
         initial_state if initial_state is not None else dummy, hT if store_final else dummy,
         T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
-        HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final, PREC=_prec(v.dtype),
-        NT_LOOP=_loop_count(NT), num_warps=_warps(BK, BV))
+        HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final,
+        PREC=launch.dot_precision(v.dtype),
+        NT_LOOP=launch.loop_count(NT), num_warps=launch.warps(BK, BV))
     return h, hT
 
 
 def intra_A(q, k, b, H, C):
     """Per-key decayed causal scores inside each chunk, fp32 ``[B, H, T, C]`` (upper blocks unset)."""
     B, T, HK, K = q.shape
-    A = _new(B, H, T, C, dtype=torch.float32, device=q.device)
+    A = launch.empty((B, H, T, C), torch.float32, q.device)
     grid = (triton.cdiv(T, C), B * H)
     _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=_block(K),
-                          PREC=_prec(q.dtype), num_warps=_warps(_block(K)))
+                          PREC=launch.dot_precision(q.dtype), num_warps=launch.warps(_block(K)))
     return A
 
 
@@ -316,12 +280,12 @@ def fwd_o(q, k, v, b, h, A, scale, decay, C):
     H, V = v.shape[2:]
     NT = triton.cdiv(T, C)
     BK, BV = _block(K), _block(V)
-    o = _new(*v.shape, dtype=v.dtype, device=v.device)
+    o = launch.empty(v.shape, v.dtype, v.device)
     dummy = torch.empty(1, dtype=torch.float32, device=v.device)
     grid = (triton.cdiv(V, BV), NT, B * H)
     _fwd_o_kernel[grid](q, k, v, b if b is not None else dummy, h, A if A is not None else dummy, o,
                         float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
-                        PREC=_prec(v.dtype), num_warps=_warps(BK, BV))
+                        PREC=launch.dot_precision(v.dtype), num_warps=launch.warps(BK, BV))
     return o
 
 
@@ -385,7 +349,7 @@ def chunk_linear_attn(
         if x.dtype not in _DTYPES:
             raise ValueError(f"triton chunk_linear_attn takes float16/bfloat16/float32 {name}, got "
                              f"{x.dtype}; use backend='reference' for float64")
-    if v.device.type != "cuda" and not _interpret():
+    if v.device.type != "cuda" and not launch.interpret():
         raise ValueError("triton chunk_linear_attn needs CUDA tensors (or TRITON_INTERPRET=1 on the "
                          f"CPU), got device {v.device}; use backend='reference'")
     B, T, H, V = v.shape

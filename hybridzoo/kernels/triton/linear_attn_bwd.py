@@ -35,17 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridzoo.kernels.triton.heads import sum_head_groups
-
+from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.linear_attn import (
     LOG_A_MIN,
     SUB_CHUNK,
     _block,
     _exp_le0,
-    _loop_count,
-    _new,
-    _prec,
-    _warps,
     chunk_cumsum,
     fwd_h,
     intra_A,
@@ -331,7 +326,7 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     H, V = v.shape[2:]
     NT = triton.cdiv(T, C)
     BK, BV = _block(K), _block(V)
-    prec = _prec(v.dtype)
+    prec = launch.dot_precision(v.dtype)
     f32 = dict(dtype=torch.float32, device=v.device)
     dummy = torch.empty(1, **f32)
     do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
@@ -342,42 +337,46 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
     b_ = b if b is not None else dummy
 
-    dh = _new(B, H, NT, K, V, dtype=state_dtype(v.dtype), device=v.device)
-    dh0 = _new(B, H, K, V, **f32) if (need_dh0 and initial_state is not None) else None
+    dh = launch.empty((B, H, NT, K, V), state_dtype(v.dtype), v.device)
+    dh0 = launch.empty((B, H, K, V), torch.float32, v.device) if (need_dh0 and initial_state is not None) else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
     _bwd_dh_kernel[grid](q, b_, do, dh, dhT if dhT is not None else dummy,
                          dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K,
                          V=V, C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None,
-                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=_loop_count(NT), num_warps=_warps(BK, BV))
+                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=launch.loop_count(NT),
+                         num_warps=launch.warps(BK, BV))
 
     A = intra_A(q, k, b, H, C) if decay == 2 else None
-    dv = _new(*v.shape, dtype=v.dtype, device=v.device)
+    dv = launch.empty(v.shape, v.dtype, v.device)
     _bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
         q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK, K=K,
-        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=_warps(BK, BV))
+        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=launch.warps(BK, BV))
 
     # dq, dk straight in the inputs' dtype when nothing is added to them afterwards (no per-key
     # intra part, no sum over the value heads of a q/k head); else float32
     grad_dtype = q.dtype if (decay != 2 and HK == H) else torch.float32
-    dq = _new(B, T, H, K, dtype=grad_dtype, device=v.device)
-    dk = _new(B, T, H, K, dtype=grad_dtype, device=v.device)
+    dq = launch.empty((B, T, H, K), grad_dtype, v.device)
+    dk = launch.empty((B, T, H, K), grad_dtype, v.device)
     if decay == 2:
-        dA = _new(B, H, T, C, **f32)
-        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec, num_warps=_warps(BV))
+        dA = launch.empty((B, H, T, C), torch.float32, v.device)
+        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec,
+                                    num_warps=launch.warps(BV))
         _bwd_intra_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
-            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec, num_warps=_warps(BK))
+            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec,
+            num_warps=launch.warps(BK))
     NK = triton.cdiv(K, BK)
     dg = None
     if need_dlog_a:  # per key, or (scalar decay) one sum per key block
-        dg = _new(B, T, H, K, **f32) if decay == 2 else _new(NK, B, T, H, **f32)
+        dg = launch.empty((B, T, H, K) if decay == 2 else (NK, B, T, H), torch.float32, v.device)
     _bwd_dqk_kernel[(NK, NT, B * H)](
         q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H, float(scale), T, NT, H=H,
-        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec, num_warps=_warps(BK, BV))
+        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec,
+        num_warps=launch.warps(BK, BV))
 
     dlog_a = None
     if need_dlog_a:  # a scalar decay per head gets the sum over the key blocks
         dlog_a = dg if decay == 2 else (dg[0] if NK == 1 else dg.sum(0))
         dlog_a = torch.where(log_a < LOG_A_MIN, 0.0, dlog_a)       # clamped: no gradient
-    dq = sum_head_groups(dq, HK, q.dtype)
-    dk = sum_head_groups(dk, HK, k.dtype)
+    dq = launch.sum_head_groups(dq, HK, q.dtype)
+    dk = launch.sum_head_groups(dk, HK, k.dtype)
     return dq, dk, dv, dlog_a, dh0

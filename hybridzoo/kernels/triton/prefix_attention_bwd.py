@@ -21,12 +21,13 @@ Dots take the inputs' dtype (bf16/fp16 tensor cores, fp32 accumulation); float32
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from hybridzoo.kernels.triton import launch
 
 __all__ = ["PrefixGrad", "prefix_block_backward", "prepare_prefix_backward"]
 
@@ -113,7 +114,7 @@ def _tiles(d: int, dv: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages). Small under the interpreter. On the GPU, narrower tiles and
     no pipelining for wide float32 heads, which otherwise overflow the 227 KB of shared memory
     (``scripts/kernel_resources.py --all`` checks every case at head size 256)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if launch.interpret():
         return 16, 16, 1, 1
     wide = max(d, dv) > 128
     if dtype == torch.float32:
@@ -162,17 +163,15 @@ def prefix_block_backward(grad: PrefixGrad, k_block, v_block, scale):
     if k_block.stride()[2:] != (D, 1) or v_block.stride()[2:] != (DV, 1) or k_block.stride(1) != HK * D \
             or v_block.stride(1) != HK * DV:
         k_block, v_block = k_block.contiguous(), v_block.contiguous()
-    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    prec = launch.dot_precision(q.dtype)
     BM, BN, warps, stages = _tiles(D, DV, q.dtype)
     BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
-    dq = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
-    dk = torch.empty(B, S, HK, D, dtype=torch.float32, device=q.device)
-    dv = torch.empty(B, S, HK, DV, dtype=torch.float32, device=q.device)
+    dq = launch.empty((B, T, H, D), torch.float32, q.device)
+    dk = launch.empty((B, S, HK, D), torch.float32, q.device)
+    dv = launch.empty((B, S, HK, DV), torch.float32, q.device)
     NM, NN = triton.cdiv(T, BM), triton.cdiv(S, BN)
-    # Triton 3.6's interpreter cannot loop to a runtime bound (numpy >= 2): constant trip counts there
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     meta = dict(H=H, HK=HK, D=D, DV=DV, BM=BM, BN=BN, BD=BD, BDV=BDV, PREC=prec, num_warps=warps,
-                num_stages=stages, NM_LOOP=NM if interpret else 0, NN_LOOP=NN if interpret else 0)
+                num_stages=stages, NM_LOOP=launch.loop_count(NM), NN_LOOP=launch.loop_count(NN))
     args = (float(scale), T, S, NM, NN, k_block.stride(0), v_block.stride(0))
     _dkdv_kernel[(NN, B * HK)](q, k_block, v_block, d_o, lse, delta, dk, dv, *args, **meta)
     _dq_kernel[(NM, B * H)](q, k_block, v_block, d_o, lse, delta, dq, *args, **meta)

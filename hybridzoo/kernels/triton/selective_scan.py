@@ -27,14 +27,13 @@ States are float32 whatever the input dtype; inputs may be float16/bfloat16/floa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference import selective_scan as _reference_scan
 from hybridzoo.kernels.reference.selective_scan import _check
+from hybridzoo.kernels.triton import launch
 
 __all__ = ["selective_scan"]
 
@@ -46,16 +45,11 @@ def _config(training: bool) -> dict:
     from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
     the fastest of a few measured on one H200 at B2 T16384 D2048 N16 bf16 (fwd 3.6 ms alone,
     fwd+bwd 25.7 ms)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if launch.interpret():
         return dict(block_t=8, fwd_block_d=8, fwd_warps=1, bwd_block_d=8, bwd_warps=1)
     if not training:
         return dict(block_t=32, fwd_block_d=16, fwd_warps=8)
     return dict(block_t=16, fwd_block_d=16, fwd_warps=4, bwd_block_d=32, bwd_warps=8)
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Allocation of every buffer the kernels fully overwrite (tests poison it with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -269,9 +263,9 @@ class _SelectiveScanFn(torch.autograd.Function):
         per_group = dm // groups
         n_blocks = triton.cdiv(length, cfg["block_t"])
         block_n = max(triton.next_power_of_2(n), 2)
-        y = _empty((batch, length, dm), u.dtype, u.device)
-        final = _empty((batch, dm, n), torch.float32, u.device)
-        ckpt = _empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
+        y = launch.empty((batch, length, dm), u.dtype, u.device)
+        final = launch.empty((batch, dm, n), torch.float32, u.device)
+        ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
         _fwd_kernel[_grid_shape(batch, groups, per_group, cfg["fwd_block_d"])](
             u, delta, A, B, C, u if D is None else D, u if z is None else z,
             u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
@@ -296,15 +290,15 @@ class _SelectiveScanFn(torch.autograd.Function):
         groups, n = B.shape[2], A.shape[1]
         per_group = dm // groups
         dev = u.device
-        du = _empty(u.shape, u.dtype, dev)
-        ddelta = _empty(delta.shape, delta.dtype, dev)
-        dz = None if z is None else _empty(z.shape, z.dtype, dev)
+        du = launch.empty(u.shape, u.dtype, dev)
+        ddelta = launch.empty(delta.shape, delta.dtype, dev)
+        dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
         dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
         dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
-        dA = _empty((batch, dm, n), torch.float32, dev)  # per batch, summed below
-        dD = None if D is None else _empty((batch, dm), torch.float32, dev)
-        dbias = None if delta_bias is None else _empty((batch, dm), torch.float32, dev)
-        dh0 = _empty((batch, dm, n), torch.float32, dev)
+        dA = launch.empty((batch, dm, n), torch.float32, dev)  # per batch, summed below
+        dD = None if D is None else launch.empty((batch, dm), torch.float32, dev)
+        dbias = None if delta_bias is None else launch.empty((batch, dm), torch.float32, dev)
+        dh0 = launch.empty((batch, dm, n), torch.float32, dev)
         dy = None if dy is None else dy.contiguous()
         dfinal = None if dfinal is None else dfinal.contiguous()
         _bwd_kernel[_grid_shape(batch, groups, per_group, cfg["bwd_block_d"])](
@@ -362,7 +356,7 @@ def selective_scan(
             "selective_scan (triton): float64 inputs are not supported by the Triton kernels; "
             "use backend='reference' for float64"
         )
-    if u.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if u.device.type != "cuda" and not launch.interpret():
         raise ValueError(
             f"selective_scan (triton): inputs must be on a CUDA device (got {u.device}); "
             "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"

@@ -4,7 +4,7 @@ CPU: the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) on tiny
 inputs against the float64 reference: outputs, final state and every gradient (q, k, v, log_a,
 initial_state, and through the final state). GPU (``-m gpu``): real shapes, bf16 and fp32
 inputs against the reference in float32. Every buffer the kernels allocate starts as NaN
-(``POISON_OUTPUTS``), so an element a kernel forgets to write fails the comparison.
+(``launch.POISON_OUTPUTS``), so an element a kernel forgets to write fails the comparison.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 import hybridzoo.kernels as ops  # noqa: E402
 import hybridzoo.kernels.triton as triton_backend  # noqa: E402
 from hybridzoo.kernels.reference.linear_attn import chunk_linear_attn as reference  # noqa: E402
-from hybridzoo.kernels.triton import linear_attn as triton_linear_attn  # noqa: E402
+from hybridzoo.kernels.triton import launch  # noqa: E402
 from hybridzoo.kernels.triton.linear_attn import chunk_linear_attn  # noqa: E402
 from hybridzoo.utils import rel_err  # noqa: E402
 
@@ -28,7 +28,7 @@ GRADS = ("q", "k", "v", "log_a", "initial_state")
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(triton_linear_attn, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
