@@ -55,13 +55,13 @@ def _chunk_decays(la_ptr, rows, mask_t, C: tl.constexpr):
 
 @triton.jit
 def _chunk_rows(b, h, i_n, T, H: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
-    """Chunk ``i_n`` of (batch ``b``, value head ``h``): token offsets ``[C]``, their mask, and the
-    row indices of ``[B, T, H, ·]`` tensors and of the q/k tensors ``[B, T, H // G, ·]`` (int64)."""
+    """Chunk ``i_n`` of (batch ``b``, value head ``h``): the mask of its ``C`` token positions, and
+    the row indices of ``[B, T, H, ·]`` tensors and of the q/k tensors ``[B, T, H // G, ·]`` (int64)."""
     offs_t = i_n * C + tl.arange(0, C)
     mask_t = offs_t < T
     rows = (b.to(tl.int64) * T + offs_t) * H + h
     rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
-    return offs_t, mask_t, rows, rows_k
+    return mask_t, rows, rows_k
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
 
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -170,7 +170,7 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
         tl.store(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, state, mask=s_mask)
-        offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+        mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
         w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
         u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
         vn = u - _dot(w, state, DT, PREC)
@@ -189,7 +189,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
 
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)

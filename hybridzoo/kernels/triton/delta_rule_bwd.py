@@ -39,7 +39,7 @@ def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -72,7 +72,7 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
     for i in range(0, N_INTERP if N_INTERP > 0 else N):
         i_n = N - 1 - i
         tl.store(dh_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, dstate, mask=s_mask)
-        offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+        mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
         _, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
         dvn = _load_rows(dv_ptr, rows, V, offs_v, mask_t, V)
@@ -96,7 +96,7 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
 
@@ -151,7 +151,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_t, mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
 
     tm = _load_rows(tm_ptr, rows, C, offs_c, mask_t, C)
