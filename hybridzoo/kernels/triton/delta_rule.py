@@ -244,7 +244,9 @@ class _Config:
         self.NV = triton.cdiv(self.V, self.BV)
         # float32 inputs: 3xTF32 (exact "ieee" dots made ptxas spill 16-27 KB per thread here)
         self.prec = launch.dot_precision(q.dtype)
-        self.warps = 4 if self.BK <= 64 else 8
+        # 4 warps up to 64-wide keys; wider keys follow launch.warps (8 only on 64-wide value tiles:
+        # K > 128 has 32-wide ones, the shape class of the 8-warp fault; see STATE_CONFIGS)
+        self.warps = 4 if self.BK <= 64 else launch.warps(self.BK, self.BV)
         # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
         self.stages = 3 if self.BK <= 64 else 1
