@@ -39,7 +39,9 @@ from hybridzoo.training.seco_engine import (
     SeCOError,
     SeCOOffloadError,
     SeCOResult,
+    _unwrap,
     check_chunked_forward,
+    check_options,
     host_ram_bytes,
     offload_bytes,
     seco_step,
@@ -71,13 +73,7 @@ class SeCO(Callback):
     def __init__(self, chunk_size: int = 4096, kv_offload: bool = False, spaco_budget: int | None = None,
                  check: bool = True, check_tokens: int | None = None, check_tolerance: float | None = None,
                  block_size: int | None = None, seed: int | None = None):
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"SeCO: chunk_size must be an int >= 1, got {chunk_size!r}")
-        if spaco_budget is not None and (isinstance(spaco_budget, bool) or not isinstance(spaco_budget, int)
-                                         or spaco_budget < 1):
-            raise ValueError(f"SeCO: spaco_budget must be None or an int >= 1, got {spaco_budget!r}")
-        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-            raise ValueError(f"SeCO: block_size must be None or an int >= 1, got {block_size!r}")
+        check_options(chunk_size, spaco_budget, block_size, error=ValueError)
         self.chunk_size, self.kv_offload, self.spaco_budget = chunk_size, kv_offload, spaco_budget
         self.check, self.check_tokens, self.check_tolerance = check, check_tokens, check_tolerance
         self.block_size = block_size
@@ -89,9 +85,7 @@ class SeCO(Callback):
 
     # ---- installed on the module --------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not hasattr(getattr(pl_module, "model", None), "blocks"):
-            raise SeCOError(f"SeCO: the LightningModule must hold the HybridLM as .model, "
-                            f"got {type(getattr(pl_module, 'model', None)).__name__}")
+        _unwrap(getattr(pl_module, "model", None))  # SeCOError unless .model is a HybridLM
         if not pl_module.automatic_optimization:
             raise SeCOError("SeCO integrates with Lightning's automatic optimization; with manual "
                             "optimization call hybridzoo.training.seco.seco_step yourself")

@@ -63,12 +63,12 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater
 from hybridzoo.layers.state import MixerState
 from hybridzoo.utils import rel_err
+from hybridzoo.zoo.model import lm_loss, shift_labels
 
 OFFLOAD_RAM_FRACTION = 0.4  # at most this share of host RAM may be pinned for kv_offload
 CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
@@ -111,7 +111,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while not hasattr(model, "blocks") and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     if not hasattr(model, "blocks"):
-        raise SeCOError(f"SeCO needs a HybridLM (a model with .blocks), got {type(model).__name__}")
+        raise SeCOError(f"SeCO needs a HybridLM (a model with .blocks; a LightningModule holds it as "
+                        f".model), got {type(model).__name__}")
     return model
 
 
@@ -125,7 +126,23 @@ def _activation_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
     return model.embed.weight.dtype if hasattr(model, "embed") else next(model.parameters()).dtype
 
 
-# ---- inputs and loss --------------------------------------------------------------------------
+# ---- options, inputs and loss -------------------------------------------------------------------
+def check_options(chunk_size: int, spaco_budget: int | None = None, block_size: int | None = None,
+                  *, error: type[Exception] = SeCOError) -> None:
+    """Raise ``error`` unless ``chunk_size`` is an int >= 1 and ``spaco_budget`` and ``block_size``
+    are None or ints >= 1 (bools are refused)."""
+    def bad(value) -> bool:
+        return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+    if bad(chunk_size):
+        raise error(f"SeCO: chunk_size must be an int >= 1, got {chunk_size!r}")
+    if spaco_budget is not None and bad(spaco_budget):
+        raise error(f"SeCO: spaco_budget must be None or an int >= 1 (chunks recomputed per "
+                    f"sequence, in expectation), got {spaco_budget!r}")
+    if block_size is not None and bad(block_size):
+        raise error(f"SeCO: block_size must be None or an int >= 1, got {block_size!r}")
+
+
 def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(input_ids, inputs_embeds, targets)`` with targets aligned to the logits."""
     if not isinstance(batch, dict):
@@ -139,7 +156,7 @@ def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tens
         raise SeCOError("SeCO: the batch must hold exactly one of labels (shifted inside, as in "
                         "Hugging Face) and targets (aligned with the logits)")
     if labels is not None:  # shift over the WHOLE sequence before chunking
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        targets = shift_labels(labels)
     shape = (ids if ids is not None else embeds).shape[:2]
     if targets.shape != shape:
         raise SeCOError(f"SeCO: labels/targets must be [B, T] = {list(shape)}, got {list(targets.shape)}")
@@ -148,13 +165,11 @@ def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tens
 
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over targets != -100 (float32 or wider)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return lm_loss(logits, targets, reduction="sum")
 
 
 def _chunks(length: int, chunk_size: int) -> list[tuple[int, int]]:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise SeCOError(f"SeCO: chunk_size must be an int >= 1, got {chunk_size!r}")
+    """``(start, end)`` of each chunk of ``chunk_size`` (a checked int >= 1) tokens; the last may be shorter."""
     return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
@@ -325,6 +340,7 @@ def seco_step(
         :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``
         like ``loss.backward()`` would.
     """
+    check_options(chunk_size, spaco_budget, block_size)
     inner = _unwrap(model)
     ids, embeds, targets = _inputs(batch)
     batch_size, length = targets.shape
@@ -456,14 +472,12 @@ def _deferred(tensors, grads, params, loss) -> torch.Tensor:
 
 def _select(k: int, spaco_budget: int | None, selection: Sequence[bool] | None,
             generator: torch.Generator | None) -> list[float]:
-    """Per chunk: its weight 1/p if recomputed, 0 if skipped (all 1 without SpaCO)."""
+    """Per chunk: its weight 1/p if recomputed, 0 if skipped (all 1 without SpaCO);
+    ``spaco_budget`` already checked by :func:`check_options`."""
     if spaco_budget is None:
         if selection is not None:
             raise SeCOError("SeCO: selection is a SpaCO option; give spaco_budget too")
         return [1.0] * k
-    if isinstance(spaco_budget, bool) or not isinstance(spaco_budget, int) or spaco_budget < 1:
-        raise SeCOError(f"SeCO: spaco_budget must be None or an int >= 1 (chunks recomputed per "
-                        f"sequence, in expectation), got {spaco_budget!r}")
     p = min(1.0, spaco_budget / k)
     if selection is None:
         selection = (torch.rand(k, generator=generator) < p).tolist()
@@ -498,6 +512,7 @@ def check_chunked_forward(
             than ``tolerance`` (default by dtype: float64 1e-10, float32 1e-4, 16-bit 3e-2; under
             autocast, the autocast dtype's).
     """
+    check_options(chunk_size, block_size=block_size)
     inner = _unwrap(model)
     ids, embeds, _ = _inputs(batch)
     source = ids if ids is not None else embeds.detach()

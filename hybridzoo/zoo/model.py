@@ -129,7 +129,7 @@ class HybridLM(nn.Module):
         if labels is not None and targets is not None:
             raise ValueError("HybridLM: give labels (shifted inside) or targets (aligned), not both")
         if labels is not None:
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            targets = shift_labels(labels)
         return logits, new_state, lm_loss(logits, targets)
 
     def init_state(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None,
@@ -184,7 +184,14 @@ class HybridLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over positions whose target is not -100 (float32 or wider)."""
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face ``labels [B, T]`` as targets aligned with the logits ``[B, T]``: position t
+    gets label t+1, the last position -100 (ignored)."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over positions whose target is not -100 (float32 or wider): their mean, or
+    their sum with ``reduction="sum"``. ``logits [B, T, V]``, ``targets [B, T]`` aligned."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
