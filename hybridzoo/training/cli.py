@@ -37,10 +37,10 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from hybridzoo.cli import user_error_exit, user_errors
 from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond
+from hybridzoo.training.data import TextDataModule  # imported: short class_path names resolve
 from hybridzoo.training.module import LanguageModel
-
-SUBCOMMANDS = ("fit", "validate", "test")
 
 # Lightning notices that say nothing about the user's run
 _QUIET = (
@@ -74,7 +74,6 @@ class HybridLightningCLI(LightningCLI):
     program name, e.g. ``["fit", "--config", "recipe.yaml"]``."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True):
-        _import_data_modules()
         self.started = time.perf_counter()
         super().__init__(
             LanguageModel,
@@ -94,10 +93,8 @@ class HybridLightningCLI(LightningCLI):
         parser.set_defaults({
             "trainer.precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "trainer.gradient_clip_val": 1.0,
+            "data": {"class_path": f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"},
         })
-        data_default = _default_data_class()
-        if data_default is not None:
-            parser.set_defaults({"data": {"class_path": data_default}})
         parser.link_arguments("data", "model.config.vocab_size", compute_fn=_data_vocab_size,
                               apply_on="instantiate")
 
@@ -177,22 +174,6 @@ def _plain(value):
     return value
 
 
-def _import_data_modules() -> None:
-    """Import the data modules so that ``class_path: TextDataModule`` (a short name) resolves."""
-    try:
-        import hybridzoo.training.data  # noqa: F401
-    except ImportError:  # pragma: no cover - only while the data modules are being written
-        pass
-
-
-def _default_data_class() -> str | None:
-    try:
-        from hybridzoo.training.data import TextDataModule
-    except ImportError:  # pragma: no cover
-        return None
-    return f"{TextDataModule.__module__}.{TextDataModule.__qualname__}"
-
-
 def resolve_configs(argv: list[str]) -> list[str]:
     """Replace each ``--config NAME`` / ``-c NAME`` / ``--config=NAME`` whose value is a
     packaged recipe name (not a file) by the recipe's path."""
@@ -217,26 +198,6 @@ def resolve_configs(argv: list[str]) -> list[str]:
     return out
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input, reported in one line without a traceback (set the
-    environment variable ``HYBRIDZOO_DEBUG=1`` to see the traceback). The data modules and
-    the config raise ``ValueError`` subclasses or ``FileNotFoundError`` for bad input."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from hybridzoo.zoo import CheckpointError, ConfigError
-
-    errors: list[type[BaseException]] = [ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError,
-                                         MisconfigurationException, ValueError]
-    try:
-        from hybridzoo.training import data
-
-        errors += [e for e in vars(data).values()
-                   if isinstance(e, type) and issubclass(e, Exception) and e.__module__ == data.__name__]
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errors)
-
-
 class _NoTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip")
@@ -252,40 +213,14 @@ def quiet_lightning() -> None:
         logger.addFilter(_NoTips())
 
 
-def root_cause(error: BaseException, errors: tuple[type[BaseException], ...]) -> BaseException:
-    """The innermost of ``error``'s chained exceptions that is one of ``errors``: jsonargparse
-    wraps an error raised while building the data module in a long "Union subtypes" message."""
-    found, seen = error, set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, errors):
-            found = error
-        error = error.__cause__ or error.__context__
-    return found
-
-
-def user_error_exit(command: str, error: BaseException, errors: tuple[type[BaseException], ...] = ()) -> int:
-    """Report a user error of ``hybridzoo <command>`` in one line on stderr and return exit status
-    2 (its innermost cause among ``errors`` when given); ``HYBRIDZOO_DEBUG=1`` re-raises instead."""
-    if os.environ.get("HYBRIDZOO_DEBUG"):
-        raise error
-    print(f"hybridzoo {command}: error: {root_cause(error, errors) if errors else error}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str]) -> int:
     """Run ``fit`` / ``validate`` / ``test`` (``argv[0]``) with the rest of ``argv``."""
     quiet_lightning()
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # Lightning's use, not the user's
     command = argv[0] if argv else "fit"
-    try:
-        argv = resolve_configs(list(argv))
-    except FileNotFoundError as error:
-        print(f"hybridzoo {command}: error: {error}", file=sys.stderr)
-        return 2
     errors = user_errors()
     try:
-        HybridLightningCLI(args=argv)
+        HybridLightningCLI(args=resolve_configs(list(argv)))  # an unknown recipe: FileNotFoundError
     except errors as error:
         return user_error_exit(command, error, errors)
     except SystemExit as error:  # jsonargparse: --help, --print_config, parse errors

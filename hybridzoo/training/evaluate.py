@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import sys
 import time
 from contextlib import nullcontext
@@ -19,7 +18,9 @@ from typing import Any
 
 import torch
 
+from hybridzoo.cli import user_error_exit, user_errors
 from hybridzoo.training.callbacks import TRAINING_NAME
+from hybridzoo.training.tokenizers import has_tokenizer
 
 TEXT_DATA = "hybridzoo.training.data.TextDataModule"
 
@@ -41,12 +42,6 @@ def training_info(directory: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
-
-
-def has_tokenizer(directory: str | Path) -> bool:
-    from hybridzoo.training.tokenizers import TOKENIZER_FILE_NAMES
-
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILE_NAMES)
 
 
 def data_module_for(directory: str | Path, config, data: list[str] | None = None,
@@ -86,7 +81,7 @@ def evaluate(directory: str | Path, data: list[str] | None = None, max_batches: 
     ``batches``, ``tokens_per_s`` (input tokens through the forward pass per second),
     ``data`` (the data module class) and ``checkpoint``.
     """
-    from hybridzoo.training.module import bytes_per_token_of
+    from hybridzoo.training.module import bytes_per_token_of, validation_metrics, validation_sums
 
     model = load_model(directory, device)
     datamodule = data_module_for(directory, model.config, data, batch_size)
@@ -96,7 +91,8 @@ def evaluate(directory: str | Path, data: list[str] | None = None, max_batches: 
     datamodule.setup("validate")
     device = next(model.parameters()).device
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
-    loss_sum = tokens = correct = inputs = batches = 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # summed validation_sums
+    inputs = batches = 0
     elapsed = 0.0
     for batch in datamodule.val_dataloader():
         if max_batches is not None and batches >= max_batches:
@@ -108,23 +104,14 @@ def evaluate(directory: str | Path, data: list[str] | None = None, max_batches: 
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
-        targets = labels[:, 1:]
-        mask = targets != -100
-        count = int(mask.sum())
-        loss_sum += float(loss) * count
-        tokens += count
-        correct += int(((logits[:, :-1].argmax(-1) == targets) & mask).sum())
+        sums += validation_sums(logits, labels, loss)
         inputs += input_ids.numel()
         batches += 1
+    tokens = int(sums[1])
     if tokens == 0:
         raise ValueError(f"{type(datamodule).__name__}: the held-out split gave no tokens to evaluate")
-    loss = loss_sum / tokens
     result: dict[str, Any] = {"checkpoint": str(directory), "data": type(datamodule).__name__,
-                              "loss": loss, "perplexity": math.exp(min(loss, 80.0)),
-                              "accuracy": correct / tokens}
-    bytes_per_token = bytes_per_token_of(datamodule)
-    if bytes_per_token:
-        result["bits_per_byte"] = loss / math.log(2) / bytes_per_token
+                              **validation_metrics(sums, bytes_per_token_of(datamodule))}
     if type(datamodule).__name__ == "MQARDataModule":
         result["mqar_accuracy"] = result["accuracy"]
     result.update(tokens=tokens, batches=batches, tokens_per_s=inputs / elapsed if elapsed else None)
@@ -173,25 +160,12 @@ def generate_text(directory: str | Path, prompt: str, max_new_tokens: int = 200,
 
 
 # ---- the two commands (argparse namespaces from hybridzoo.cli) -------------------------------
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from hybridzoo.training.cli import user_errors
-
-    return user_errors() + (ValueError, OSError)
-
-
-def _user_error_exit(command: str, error: BaseException) -> int:
-    from hybridzoo.training.cli import user_error_exit  # cli imports Lightning; this module does not
-
-    return user_error_exit(command, error)
-
-
 def eval_command(args) -> int:
-    errors = _user_errors()
     try:
         result = evaluate(args.directory, data=args.data, max_batches=args.max_batches,
                           batch_size=args.batch_size, device=args.device)
-    except errors as error:
-        return _user_error_exit("eval", error)
+    except user_errors(OSError) as error:
+        return user_error_exit("eval", error)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -213,13 +187,12 @@ def eval_command(args) -> int:
 
 
 def generate_command(args) -> int:
-    errors = _user_errors()
     try:
         result = generate_text(args.directory, args.prompt, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed, device=args.device)
-    except errors as error:
-        return _user_error_exit("generate", error)
+    except user_errors(OSError) as error:
+        return user_error_exit("generate", error)
     if args.json:
         print(json.dumps(result))
     else:

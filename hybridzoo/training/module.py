@@ -129,23 +129,16 @@ class LanguageModel(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits, _, loss = self.model(batch["input_ids"], labels=batch["labels"])
-        targets = batch["labels"][:, 1:]
-        mask = targets != -100
-        count = mask.sum()
-        correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum()
-        self._val_sums += torch.stack([loss.double() * count, count.double(), correct.double()])
+        self._val_sums += validation_sums(logits, batch["labels"], loss)
         return loss
 
     def on_validation_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
         if sums[1] == 0:
             return
-        loss = float(sums[0] / sums[1])
-        metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "val/acc": float(sums[2] / sums[1])}
-        bytes_per_token = bytes_per_token_of(getattr(self.trainer, "datamodule", None))
-        if bytes_per_token:
-            metrics["val/bpb"] = loss / math.log(2) / bytes_per_token
-        self.val_history.append((self.global_step, loss))
+        values = validation_metrics(sums, bytes_per_token_of(getattr(self.trainer, "datamodule", None)))
+        self.val_history.append((self.global_step, values["loss"]))
+        metrics = {_LOGGED_NAMES[name]: value for name, value in values.items()}
         if not self.trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
             self.log("val/loss", metrics.pop("val/loss"), prog_bar=True)
             self.log_dict(metrics)
@@ -174,6 +167,33 @@ class LanguageModel(L.LightningModule):
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
         else:
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+
+
+# the names LanguageModel logs the metrics of validation_metrics under
+_LOGGED_NAMES = {"loss": "val/loss", "perplexity": "val/ppl", "accuracy": "val/acc", "bits_per_byte": "val/bpb"}
+
+
+def validation_sums(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """One batch's ``[loss · n, n, correct]`` (float64, on the logits' device): ``n`` labelled
+    next-token positions, ``correct`` of them predicted by the argmax. ``logits [B, T, V]``,
+    ``labels [B, T]`` (unshifted, -100 ignored), ``loss`` the batch's mean loss (a scalar).
+    Summed over batches (and ranks), they give :func:`validation_metrics`."""
+    targets = labels[:, 1:]
+    mask = targets != -100
+    count = mask.sum()
+    correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum()
+    return torch.stack([loss.double() * count, count.double(), correct.double()])
+
+
+def validation_metrics(sums: torch.Tensor, bytes_per_token: float | None) -> dict[str, float]:
+    """``loss`` (mean over the labelled positions, nats), ``perplexity`` (``exp`` of the loss,
+    capped at ``e^80``), ``accuracy`` and, when ``bytes_per_token`` is known, ``bits_per_byte``,
+    from the summed :func:`validation_sums` (at least one labelled position)."""
+    loss = float(sums[0] / sums[1])
+    metrics = {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "accuracy": float(sums[2] / sums[1])}
+    if bytes_per_token:
+        metrics["bits_per_byte"] = loss / math.log(2) / bytes_per_token
+    return metrics
 
 
 def bytes_per_token_of(datamodule) -> float | None:

@@ -161,13 +161,15 @@ def load_tokenizer(spec: str | Path | None = None) -> Tokenizer:
     return HFTokenizer(spec)
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds any of the files of a Hugging Face tokenizer."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILE_NAMES)
+
+
 def find_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of an export directory: its Hugging Face tokenizer files if it has any,
     else bytes (exports of byte-level models carry no tokenizer files)."""
-    directory = Path(directory)
-    if any((directory / name).is_file() for name in TOKENIZER_FILE_NAMES):
-        return HFTokenizer(directory)
-    return ByteTokenizer()
+    return HFTokenizer(Path(directory)) if has_tokenizer(directory) else ByteTokenizer()
 
 
 def _as_int_list(ids) -> list[int]:
