@@ -6,11 +6,14 @@ import inspect
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+
+from hybridzoo.zoo.checkpoint import write_atomically
 
 TRAINING_NAME = "training.json"
 
@@ -49,21 +52,18 @@ class ExportCallback(Callback):
         if not trainer.is_global_zero or trainer.sanity_checking:
             return None
         directory = self.export_dir(trainer)
-        if weights or self.last_export != directory:
-            pl_module.model.save_pretrained(directory)
         datamodule = getattr(trainer, "datamodule", None)
-        for path in tokenizer_files(datamodule):
-            tmp = directory / (path.name + ".tmp")
-            shutil.copyfile(path, tmp)
-            tmp.replace(directory / path.name)
+        files = {}
+        if weights or self.last_export != directory:  # else both are there already
+            pl_module.model.save_pretrained(directory)
+            files = {path.name: partial(shutil.copyfile, path) for path in tokenizer_files(datamodule)}
         info = {
             "data": self.data_config or data_spec(datamodule),
             "global_step": trainer.global_step,
             "val_history": [{"step": step, "loss": loss} for step, loss in getattr(pl_module, "val_history", [])],
         }
-        tmp = directory / (TRAINING_NAME + ".tmp")
-        tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-        tmp.replace(directory / TRAINING_NAME)
+        files[TRAINING_NAME] = lambda path: path.write_text(json.dumps(info, indent=2, default=str) + "\n")
+        write_atomically(directory, files)
         self.last_export, self._exported_step = directory, trainer.global_step
         return directory
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,19 @@ CONFIG_NAME = "config.json"
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing a file, is corrupted, or does not match its config."""
+
+
+def write_atomically(directory: Path, writers: dict[str, Callable[[Path], object]]) -> None:
+    """Write the files ``directory / name``: ``writers[name](path)`` writes one to ``path``, a
+    temporary name (``name.tmp``); once all are written, each is renamed to its final name, so an
+    interrupted write never leaves a half-written file under a final name."""
+    written = []
+    for name, write in writers.items():
+        tmp = directory / (name + ".tmp")
+        write(tmp)
+        written.append((tmp, directory / name))
+    for tmp, path in written:
+        tmp.replace(path)
 
 
 def save_pretrained(model, directory: str | Path) -> Path:
@@ -28,12 +42,10 @@ def save_pretrained(model, directory: str | Path) -> Path:
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     if model.config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    tmp_weights = directory / (WEIGHTS_NAME + ".tmp")
-    tmp_config = directory / (CONFIG_NAME + ".tmp")
-    save_file(tensors, str(tmp_weights), metadata={"format": "pt", "library": "hybridzoo"})
-    tmp_config.write_text(model.config.to_json() + "\n")
-    tmp_weights.replace(directory / WEIGHTS_NAME)
-    tmp_config.replace(directory / CONFIG_NAME)
+    write_atomically(directory, {
+        WEIGHTS_NAME: lambda path: save_file(tensors, str(path), metadata={"format": "pt", "library": "hybridzoo"}),
+        CONFIG_NAME: lambda path: path.write_text(model.config.to_json() + "\n"),
+    })
     return directory
 
 
