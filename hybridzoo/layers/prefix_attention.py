@@ -102,11 +102,8 @@ class _BlockPrefixAttention(torch.autograd.Function):
     def forward(ctx, q, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend):
         o = lse = None
         for start, end in _blocks(length, block_size):
-            k_block = _read(k_store, start, end, q.device)
-            v_block = _read(v_store, start, end, q.device)
-            # the prefix-only form: no keys of its own, the block as the prefix
-            o_b, lse_b = attention(q, k_block[:, :0], v_block[:, :0], prefix=(k_block, v_block),
-                                   scale=scale, return_lse=True, backend=backend)
+            o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
+                                          _read(v_store, start, end, q.device), scale, backend)
             o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
         ctx.save_for_backward(q, o, lse)
         ctx.stores = (k_store, v_store, k_grad, v_grad)
@@ -115,74 +112,80 @@ class _BlockPrefixAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
-        """``d_o [B, T, H, Dv]`` (q.dtype), ``d_lse [B, T, H]`` (lse's dtype) -> ``dq [B, T, H, D]``
-        in q.dtype; ``dk_b [B, S, Hk, D]`` / ``dv_b [B, S, Hk, Dv]`` of each block (GQA: the op
-        sums them over the G query heads of a K/V head) are added into the buffers instead."""
+        """``d_o [B, T, H, Dv]`` (q.dtype), ``d_lse [B, T, H]`` (lse's dtype; both materialised,
+        zeros when unused) -> ``dq [B, T, H, D]`` in q.dtype; ``dk_b [B, S, Hk, D]`` /
+        ``dv_b [B, S, Hk, Dv]`` of each block (GQA: summed over the G query heads of a K/V head)
+        are added into the buffers instead."""
         q, o, lse = ctx.saved_tensors
         k_store, v_store, k_grad, v_grad = ctx.stores
         length, block_size, scale, backend = ctx.meta
         need_q = ctx.needs_input_grad[0]
         if not (need_q or k_grad is not None or v_grad is not None):
             return (None,) * 9
-        if _fused_backward_applies(q, k_store, backend):
-            return _fused_backward(q, o, lse, d_o, d_lse, k_store, v_store, k_grad, v_grad, length,
-                                   block_size, scale, need_q)
-        dtype = torch.promote_types(torch.float32, q.dtype)  # the merge's compute dtype
-        o_p = o.to(dtype)
-        d_o_p = torch.zeros_like(o_p) if d_o is None else d_o.to(dtype)
-        d_lse_p = torch.zeros_like(lse, dtype=dtype) if d_lse is None else d_lse.to(dtype)
-        # rows without any key (impossible for P >= 1): lse_p = +inf makes every w_b = 0, no NaN
-        lse_p = lse.to(dtype)
-        lse_p = torch.where(torch.isfinite(lse_p), lse_p, torch.full_like(lse_p, float("inf")))
-        q_leaf = q.detach().requires_grad_(need_q)
-        dq = torch.zeros_like(q, dtype=dtype) if need_q else None
+        if _fused_backward_applies(q, v_store, backend):
+            block_grads = _fused_block_grads(q, o, lse, d_o, d_lse, scale)
+        else:
+            block_grads = _autograd_block_grads(q, o, lse, d_o, d_lse, scale, backend,
+                                                (need_q, k_grad is not None, v_grad is not None))
+        dtype = torch.promote_types(torch.float32, q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device) if need_q else None
         for start, end in _blocks(length, block_size):
-            k_b = _read(k_store, start, end, q.device).detach().requires_grad_(k_grad is not None)
-            v_b = _read(v_store, start, end, q.device).detach().requires_grad_(v_grad is not None)
-            with torch.enable_grad():  # recompute the block's forward, exactly as forward() ran it
-                o_b, lse_b = attention(q_leaf, k_b[:, :0], v_b[:, :0], prefix=(k_b, v_b),
-                                       scale=scale, return_lse=True, backend=backend)
-            with torch.no_grad():
-                w_b = torch.exp(lse_b.to(dtype) - lse_p)  # [B, T, H]
-                d_o_b = w_b.unsqueeze(-1) * d_o_p
-                d_lse_b = d_lse_p + (d_o_p * (o_b.to(dtype) - o_p)).sum(-1)
-                d_lse_b = torch.where(w_b > 0, w_b * d_lse_b, torch.zeros_like(d_lse_b))
-            inputs = [t for t in (q_leaf, k_b, v_b) if t.requires_grad]
-            grads = list(torch.autograd.grad((o_b, lse_b), inputs,
-                                             (d_o_b.to(o_b.dtype), d_lse_b.to(lse_b.dtype))))
+            dq_b, dk_b, dv_b = block_grads(_read(k_store, start, end, q.device), _read(v_store, start, end, q.device))
             if need_q:
-                dq += grads.pop(0)
+                dq += dq_b
             if k_grad is not None:
-                k_grad[:, start:end] += grads.pop(0).to(k_grad.dtype)
+                k_grad[:, start:end] += dk_b.to(k_grad.dtype)
             if v_grad is not None:
-                v_grad[:, start:end] += grads.pop(0).to(v_grad.dtype)
+                v_grad[:, start:end] += dv_b.to(v_grad.dtype)
         return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None
 
 
-def _fused_backward_applies(q: torch.Tensor, k_store: torch.Tensor, backend: str) -> bool:
+def _block_attention(q, k_block, v_block, scale, backend):
+    """Attention of ``q`` over one fully visible K/V block: the prefix-only form of the op (no keys
+    of its own, the block as the prefix). Returns ``(o, lse)``."""
+    return attention(q, k_block[:, :0], v_block[:, :0], prefix=(k_block, v_block), scale=scale,
+                     return_lse=True, backend=backend)
+
+
+def _fused_backward_applies(q: torch.Tensor, v_store: torch.Tensor, backend: str) -> bool:
     """The Triton flash backward (no recomputed forward) runs on CUDA for the automatic/torch
-    attention backends, 16/32-bit floats and head sizes 16..256; elsewhere the autograd path."""
+    attention backends, 16/32-bit floats and head sizes 16..256 (keys have q's); elsewhere the
+    autograd path."""
     return (q.is_cuda and backend in ("auto", "torch") and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and 16 <= q.shape[-1] <= 256 and 16 <= k_store.shape[-1] <= 256)
+            and 16 <= q.shape[-1] <= 256 and 16 <= v_store.shape[-1] <= 256)
 
 
-def _fused_backward(q, o, lse, d_o, d_lse, k_store, v_store, k_grad, v_grad, length, block_size, scale,
-                    need_q):
-    """Per block, :func:`hybridzoo.kernels.triton.prefix_attention_bwd.prefix_block_backward`
-    from the merged ``(o, lse)`` (prepared once for all blocks): the flash-attention backward, no
-    forward recomputed."""
+def _fused_block_grads(q, o, lse, d_o, d_lse, scale):
+    """``(k_b, v_b) -> (dq_b, dk_b, dv_b)`` float32 by
+    :func:`hybridzoo.kernels.triton.prefix_attention_bwd.prefix_block_backward` from the merged
+    ``(o, lse)`` (prepared once for all blocks): the flash-attention backward, no forward recomputed."""
     from hybridzoo.kernels.triton import prefix_attention_bwd as kernels
 
-    grad = kernels.prepare_prefix_backward(q, o, lse, torch.zeros_like(o) if d_o is None else d_o, d_lse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_q else None
-    for start, end in _blocks(length, block_size):
-        k_b = _read(k_store, start, end, q.device).to(q.dtype)
-        v_b = _read(v_store, start, end, q.device).to(q.dtype)
-        dq_b, dk_b, dv_b = kernels.prefix_block_backward(grad, k_b, v_b, scale)
-        if need_q:
-            dq += dq_b
-        if k_grad is not None:
-            k_grad[:, start:end] += dk_b.to(k_grad.dtype)
-        if v_grad is not None:
-            v_grad[:, start:end] += dv_b.to(v_grad.dtype)
-    return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None
+    grad = kernels.prepare_prefix_backward(q, o, lse, d_o, d_lse)
+    return lambda k_b, v_b: kernels.prefix_block_backward(grad, k_b.to(q.dtype), v_b.to(q.dtype), scale)
+
+
+def _autograd_block_grads(q, o, lse, d_o, d_lse, scale, backend, needs):
+    """``(k_b, v_b) -> (dq_b, dk_b, dv_b)`` (None where not in ``needs`` = (q, k, v)) by autograd
+    through the block's recomputed forward, its share of the merged gradient weighted by
+    ``exp(lse_b − lse)``."""
+    dtype = torch.promote_types(torch.float32, q.dtype)  # the merge's compute dtype
+    o_p, d_o_p, d_lse_p, lse_p = o.to(dtype), d_o.to(dtype), d_lse.to(dtype), lse.to(dtype)
+    q_leaf = q.detach().requires_grad_(needs[0])
+
+    def block_grads(k_b, v_b):
+        k_b = k_b.detach().requires_grad_(needs[1])
+        v_b = v_b.detach().requires_grad_(needs[2])
+        with torch.enable_grad():  # recompute the block's forward, exactly as forward() ran it
+            o_b, lse_b = _block_attention(q_leaf, k_b, v_b, scale, backend)
+        with torch.no_grad():
+            w_b = torch.exp(lse_b.to(dtype) - lse_p)  # [B, T, H]
+            d_o_b = w_b.unsqueeze(-1) * d_o_p
+            d_lse_b = d_lse_p + (d_o_p * (o_b.to(dtype) - o_p)).sum(-1)
+            d_lse_b = torch.where(w_b > 0, w_b * d_lse_b, torch.zeros_like(d_lse_b))
+        leaves = (q_leaf, k_b, v_b)
+        inputs = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad((o_b, lse_b), inputs, (d_o_b.to(o_b.dtype), d_lse_b.to(lse_b.dtype))))
+        return tuple(next(grads) if t.requires_grad else None for t in leaves)
+
+    return block_grads
