@@ -104,7 +104,11 @@ class _BlockPrefixAttention(torch.autograd.Function):
         for start, end in _blocks(length, block_size):
             o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
                                           _read(v_store, start, end, q.device), scale, backend)
+            # merged in float32 (at least): merge_attention returns its first argument's dtype,
+            # and rounding the running output to 16 bits after every block compounds over blocks
+            o_b = o_b.to(torch.promote_types(o_b.dtype, torch.float32))
             o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, o, lse)
         ctx.stores = (k_store, v_store, k_grad, v_grad)
         ctx.meta = (length, block_size, scale, backend)
