@@ -328,7 +328,8 @@ class Attention(Mixer):
         if P + T > state.capacity:
             raise ValueError(f"Attention: BlockKVState holds {state.capacity} positions, "
                              f"{P} stored + {T} new do not fit")
-        o, lse = attention(q, k, v, scale=self.scale, return_lse=True, backend=self.backend)
+        # the log-sum-exp only when there is a prefix to merge with (without it SDPA serves)
+        o, lse = attention(q, k, v, scale=self.scale, return_lse=P > 0, backend=self.backend)
         if P > 0:
             o_prefix, lse_prefix = block_prefix_attention(
                 q, state.k_buf, state.v_buf, P, block_size=state.block_size, scale=self.scale,
