@@ -11,8 +11,7 @@
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
 #                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
 #                                names mamba or backends (otherwise its adapter test skips)
-#   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append;
-#                                at most BENCH_S seconds (default JOB_S)
+#   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
 #   kprof=<rows>                 scripts/profile_kernels.py --only <rows>: GPU time per kernel
 #   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
 #                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued)
@@ -29,7 +28,7 @@
 # jobs wait for it. DEADLINE_S (default 560) bounds the whole call; JOB_S (default 300) each job.
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p "$OUT" "$RES"
+OUT=${OUT:-/tmp/out}; RES=/tmp/res; rm -rf "$RES"; mkdir -p "$OUT" "$RES"  # a warm machine keeps /tmp
 START=$(date +%s); DEADLINE_S=${DEADLINE_S:-560}; JOB_S=${JOB_S:-300}
 source scripts/gpu_setup.sh > "$RES/setup.log" 2>&1
 cp .gpu_in/seco_*.json "$RES/" 2>/dev/null  # SeCO results to resume (seco= jobs)
@@ -38,7 +37,9 @@ cp .gpu_in/seco_*.json "$RES/" 2>/dev/null  # SeCO results to resume (seco= jobs
 # fla's chunk_gla autotuning alone outlasted 240-280 s job caps three times.
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
 [ -f .gpu_in/triton_cache.tar.gz ] && tar xzf .gpu_in/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
-if echo "$*" | grep -Eq "mamba|selective|conv"; then
+# a job needs mamba_ssm / causal_conv1d when it names one of their ops or the adapters' tests
+needs_mamba() { echo "$1" | grep -Eq "mamba|selective|conv|backends"; }
+if needs_mamba "$*"; then
   (MAX_JOBS=12 bash scripts/build_mamba.sh > "$RES/mamba_build.log" 2>&1; touch "$RES/.mamba_done") &
 else
   touch "$RES/.mamba_done"
@@ -56,11 +57,10 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   [ "$arg" = "$spec" ] && arg=""
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
-    tests) echo "$arg" | grep -Eq "mamba|backends" && wait_mamba
+    tests) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
              -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
-    bench) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
-           [ "${BENCH_S:-$lim}" -lt "$lim" ] && lim=$BENCH_S
+    bench) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
     seco) IFS=@ read -r recipe lengths modes <<< "$arg"
@@ -71,7 +71,7 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
           timeout "$lim" python3 scripts/mqar_sweep.py --setting "${setting:-gpu}" --device cuda --recipes "$recipes" ${MQAR_ARGS:-} \
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \
             > "$RES/mqar_$LANE.log" 2>&1 ;;
-    kprof) echo "$arg" | grep -Eq "mamba|selective|conv" && wait_mamba
+    kprof) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/profile_kernels.py --only "$arg" --out "$RES/kprof_${LANE}_$JOB.txt" \
              > "$RES/kprof_${LANE}_$JOB.log" 2>&1 ;;
     script) timeout "$lim" bash "$arg" "$RES/script_${LANE}_$JOB" > "$RES/script_${LANE}_$JOB.log" 2>&1 ;;
@@ -92,7 +92,7 @@ for lane in "$@"; do
     for job in $lane; do run_job "$job"; JOB=$((JOB + 1)); done ) &
   pids+=($!); i=$((i + 1))
 done
-while [ "$(left)" -gt 0 ] && [ -n "$(jobs -rp)" ]; do
+while [ "$(left)" -gt 0 ]; do
   alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
   [ $alive = 0 ] && break; sleep 3
 done
