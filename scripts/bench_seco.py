@@ -77,6 +77,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -92,11 +93,13 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
-from hybridzoo.layers.attention import Attention  # noqa: E402
 from hybridzoo.training.seco_engine import (  # noqa: E402
     SeCOError,
     SeCOOffloadError,
+    _get_rng,
+    _loss_sum,
     check_chunked_forward,
+    host_ram_bytes,
     offload_bytes,
     seco_step,
 )
@@ -144,17 +147,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _is_full_attention(block: nn.Module) -> bool:
-    """A block whose state grows with the sequence (SeCO keeps its K/V in a store)."""
-    return isinstance(block.mixer, Attention) and block.mixer.config.window is None
-
-
 # ---- the memory model ------------------------------------------------------------------------------
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
     """K/V bytes one token adds to the stores: Σ over full-attention layers of
-    ``2 · n_kv_heads · head_dim · dtype.itemsize`` (batch 1)."""
-    return sum(2 * block.mixer.n_kv_heads * block.mixer.head_dim * dtype.itemsize
-               for block in model.blocks if _is_full_attention(block))
+    ``2 · n_kv_heads · head_dim · dtype.itemsize`` (batch 1): :func:`offload_bytes` of one token
+    in one chunk counts exactly that (no chunk boundary)."""
+    return offload_bytes(model, 1, 1, 1, dtype)
 
 
 def boundary_bytes(model: nn.Module, dtype: torch.dtype) -> int:
@@ -165,10 +163,7 @@ def boundary_bytes(model: nn.Module, dtype: torch.dtype) -> int:
 
 def rng_bytes(device: torch.device) -> int:
     """Bytes of the RNG states SeCO saves per chunk (host tensors, also for a CUDA device)."""
-    total = torch.get_rng_state().numel()
-    if device.type == "cuda":
-        total += torch.cuda.get_rng_state(device).numel()
-    return total
+    return sum(state.numel() for state in _get_rng(device))
 
 
 def memory_model(model: nn.Module, dtype: torch.dtype, chunk_size: int, offload: bool,
@@ -199,14 +194,9 @@ def memory_model(model: nn.Module, dtype: torch.dtype, chunk_size: int, offload:
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = slope · x + intercept`` (needs two distinct x)."""
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    var = sum((x - mean_x) ** 2 for x in xs)
-    if n < 2 or var == 0:
-        raise ValueError("fit_line needs at least two distinct x")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
-    return slope, mean_y - slope * mean_x
+    """Least-squares ``(slope, intercept)`` of ``y = slope · x + intercept``; needs two distinct x
+    (else :class:`statistics.StatisticsError`, a ValueError)."""
+    return tuple(statistics.linear_regression(xs, ys))
 
 
 # ---- peak memory ---------------------------------------------------------------------------------
@@ -272,23 +262,17 @@ def _hidden_states(model: HybridLM, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def _slice_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-
-
 def full_backprop_step(model: HybridLM, batch: dict, loss_chunk: int) -> torch.Tensor:
     """Forward + backward of the whole sequence (gradients into ``.grad``); the mean loss is the
     sum of per-slice cross-entropies, each slice's logits recomputed in backward. Returns the loss."""
-    ids, targets = batch["input_ids"], batch["targets"]
+    ids, targets, head = batch["input_ids"], batch["targets"], model.lm_head
     hidden = _hidden_states(model, ids)
     count = (targets != -100).sum().clamp(min=1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, ids.shape[1], loss_chunk):
         end = start + loss_chunk
-        total = total + checkpoint(_slice_loss, model.lm_head, hidden[:, start:end], targets[:, start:end],
-                                   use_reentrant=False)
+        total = total + checkpoint(lambda h, t: _loss_sum(head(h), t), hidden[:, start:end],
+                                   targets[:, start:end], use_reentrant=False)
     loss = total / count
     loss.backward()
     return loss.detach()
@@ -365,7 +349,7 @@ def build_model(spec: str, device: torch.device) -> HybridLM:
     return model.to(device=device, dtype=torch.float32)
 
 
-def _optimizer(model: nn.Module, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, str]:
     params = [p for p in model.parameters() if p.requires_grad]
     for kwargs, name in (({"fused": True}, "fused"), ({"foreach": True}, "foreach"), ({}, "for-loop")):
         try:
@@ -393,7 +377,7 @@ def _meta(device: torch.device, args: dict) -> dict:
         "date": str(datetime.date.today()), "commit": commit or "unknown",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
-        "host_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "host_ram_bytes": host_ram_bytes(),
         "versions": versions,
         "settings": {
             **args,
@@ -428,8 +412,7 @@ def _predict_seconds(rows: list[dict], recipe: str, mode: str, tokens: int, has_
 def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_size: int, device: torch.device,
               out: str | Path | None, *, autocast_dtype: torch.dtype | None = torch.bfloat16,
               max_step_s: float = 0.0, grad_check: bool = True, resume: bool = False, seed: int = 0,
-              warmup_tokens: int | None = None, args_for_meta: dict | None = None, log=print,
-              block_size: int | None = None) -> dict:
+              args_for_meta: dict | None = None, log=print, block_size: int | None = None) -> dict:
     """Run every (recipe, length, mode) row and return (and write to ``out`` after every row) the
     result dict: ``meta``, ``recipes`` (per recipe: parameters, memory model, startup check),
     ``rows``, ``summary`` (see :func:`summarize`)."""
@@ -460,7 +443,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         torch.manual_seed(seed)
         model = build_model(spec, device)
         model.train()
-        optimizer, optimizer_kind = _optimizer(model, device)
+        optimizer, optimizer_kind = _optimizer(model)
         vocab = model.config.vocab_size
         info = {"parameters": model.num_parameters(), "layers": model.config.layer_kinds(),
                 "optimizer": optimizer_kind,
@@ -483,7 +466,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
             info["check"] = {"ok": False, "tokens": check_tokens, "error": "out of memory"}
         _free(device)
         # warm-up: every mode once at a short length (kernels compiled, AdamW states allocated)
-        warm = warmup_tokens or min(2 * chunk_size, min(lengths))
+        warm = min(2 * chunk_size, min(lengths))
         info["warmup_tokens"] = warm
         for mode in dict.fromkeys(m for _, m in todo):
             try:

@@ -15,9 +15,9 @@ the MQAR accuracy over the held-out examples (argmax at every query, exact value
 
 Every explicit argument (``--steps``, ``--seq-len``, ``--num-pairs``, ``--vocab-size``,
 ``--batch-size``, ``--lr``, ...) overrides the setting's value. Results go to
-``<out-dir>/<name>.json`` (rewritten after every recipe: date, commit, device, versions, the
-exact ``hybridzoo fit`` arguments of each run, steps done, wall time, accuracy), ``<name>.md`` (a
-table) and ``<name>.png`` (accuracy against state size, one line per mixer kind).
+``<out-dir>/<name>.json`` (rewritten after every trained recipe: date, commit, device, versions,
+the exact ``hybridzoo fit`` arguments of each run, steps done, wall time, accuracy), ``<name>.md``
+(a table) and ``<name>.png`` (accuracy against state size, one line per mixer kind).
 
 The plot needs matplotlib, which is not a hybridzoo dependency: ``pip install matplotlib``.
 Without it the JSON and the table are still written.
@@ -34,7 +34,6 @@ import argparse
 import datetime
 import fnmatch
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -361,6 +360,17 @@ def write_outputs(results: dict[str, Any], out_dir: Path, name: str) -> list[Pat
     return paths
 
 
+def _run_order(row: dict[str, Any]) -> tuple:
+    """Sort key of a result row: setting (in :data:`SETTINGS` order), mixer kind, size (s before l), name."""
+    setting = list(SETTINGS).index(row["setting"]) if row["setting"] in SETTINGS else 99
+    return setting, _kind_index(row["kind"]), row["size"] == "l", row["recipe"]
+
+
+def _merged_notes(*lists: list[str]) -> list[str]:
+    """The notes of ``lists`` in order, each once."""
+    return list(dict.fromkeys(note for notes in lists for note in notes))
+
+
 def merge_results(paths: list[Path], out_dir: Path, name: str, notes: list[str]) -> int:
     """``--merge``: fold the settings, runs and notes of ``paths`` into ``<name>.json`` (created if
     absent), later rows replacing earlier ones of the same setting and recipe, and rewrite the outputs."""
@@ -376,10 +386,9 @@ def merge_results(paths: list[Path], out_dir: Path, name: str, notes: list[str])
             merged.setdefault("argv_parts", []).append(spec.get("argv"))
         new = {(r["setting"], r["recipe"]) for r in part.get("runs", [])}
         results["runs"] = [r for r in results["runs"] if (r["setting"], r["recipe"]) not in new] + part.get("runs", [])
-        results["notes"] = list(dict.fromkeys(results.get("notes", []) + part.get("notes", [])))
-    results["notes"] = list(dict.fromkeys(results["notes"] + notes))
-    results["runs"].sort(key=lambda r: (list(SETTINGS).index(r["setting"]) if r["setting"] in SETTINGS else 99,
-                                        _kind_index(r["kind"]), r["size"] == "l", r["recipe"]))
+        results["notes"] = _merged_notes(results.get("notes", []), part.get("notes", []))
+    results["notes"] = _merged_notes(results["notes"], notes)
+    results["runs"].sort(key=_run_order)
     print("\n".join(str(p) for p in write_outputs(results, out_dir, name)))
     return 0
 
@@ -457,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = json.loads(json_path.read_text())
         if args.render_only:
-            results["notes"] = list(dict.fromkeys(results.get("notes", []) + args.note))
+            results["notes"] = _merged_notes(results.get("notes", []), args.note)
             print("\n".join(str(p) for p in write_outputs(results, args.out_dir, name)))
             return 0
     else:
@@ -477,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                    "runs": [], "notes": []}
     meta = metadata()
     results.setdefault("meta", meta)  # the first run's; each setting also keeps its own command
-    results["notes"] = list(dict.fromkeys(results.get("notes", []) + args.note))
+    results["notes"] = _merged_notes(results.get("notes", []), args.note)
     results["settings"][args.setting] = {
         **{k: v for k, v in run.items() if k != "setting"},
         "device_name": None if args.not_run else device_name(run["device"]),
@@ -486,11 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["runs"] = [r for r in results["runs"] if not (r["setting"] == args.setting and r["recipe"] in recipes)]
 
-    if not args.not_run:
-        from hybridzoo.training.cli import quiet_lightning
-
-        quiet_lightning()
-        os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     sweep_start = time.perf_counter()
     for recipe in recipes:
         if args.not_run:
@@ -506,9 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mqar_sweep: {recipe}: {row['status']}, accuracy {row.get('accuracy')}, "
                   f"{row.get('steps')} steps, {row.get('fit_s')} s", flush=True)
         results["runs"].append(row)
-        results["runs"].sort(key=lambda r: (list(SETTINGS).index(r["setting"]) if r["setting"] in SETTINGS else 99,
-                                            _kind_index(r["kind"]), r["size"] == "l", r["recipe"]))
-        write_outputs(results, args.out_dir, name)
+        results["runs"].sort(key=_run_order)
+        if not args.not_run:  # a trained row is kept even if a later recipe never finishes
+            write_outputs(results, args.out_dir, name)
     if not args.not_run:
         results["settings"][args.setting]["sweep_wall_s"] = round(time.perf_counter() - sweep_start, 1)
     paths = write_outputs(results, args.out_dir, name)

@@ -6,7 +6,11 @@ the test modules import hybridzoo's Triton kernels. GPU-only tests carry ``@pyte
 and are skipped on machines without CUDA.
 """
 
+import importlib.util
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +36,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def load_script(name: str) -> types.ModuleType:
+    """Import ``scripts/<name>.py`` (not a package) as the module ``name``, registered in
+    ``sys.modules``; test modules call it as ``from tests.conftest import load_script``."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -7,18 +7,16 @@ benchmark's full-backprop baseline against SeCO's gradients in float32.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from hybridzoo import HybridLM
+from tests.conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_seco.py"
 CPU = torch.device("cpu")
 
 
@@ -27,10 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_seco", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_seco")
 
 
 def test_parse_tokens_and_fit_line(bench):

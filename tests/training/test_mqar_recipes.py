@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,21 +17,12 @@ from hybridzoo.cli import main as cli_main
 from hybridzoo.layers.attention import KVState
 from hybridzoo.training.mqar import multiquery_ar
 from hybridzoo.zoo.recipes import load_recipe, load_recipe_config
+from tests.conftest import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("mamba1", "mamba2", "gla", "retnet", "gdn", "attn")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
-
-def _load_sweep():
-    spec = importlib.util.spec_from_file_location("mqar_sweep", ROOT / "scripts" / "mqar_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mqar_sweep"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep = _load_sweep()
+sweep = load_script("mqar_sweep")
 
 
 def measured_state_size(config: HybridConfig, seq_len: int) -> int:
