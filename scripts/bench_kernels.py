@@ -30,6 +30,18 @@ from hybridzoo.utils import rel_err  # noqa: E402
 DEV = "cuda"
 
 
+def fwd_bwd_step(fn, grads, inputs):
+    """A closure running one forward (``fn()``) + backward (with ``grads``), then clearing the
+    ``.grad`` of ``inputs``."""
+    def step():
+        out = fn()
+        torch.autograd.backward(out, grads)
+        for x in inputs:
+            x.grad = None
+
+    return step
+
+
 def bench(fn, grads=None, inputs=()):
     """(fwd ms, fwd+bwd ms) medians; fwd+bwd only when grads is given."""
     from triton.testing import do_bench
@@ -38,14 +50,7 @@ def bench(fn, grads=None, inputs=()):
         fwd = do_bench(fn, warmup=25, rep=100)
     if grads is None:
         return fwd, None
-
-    def step():
-        out = fn()
-        torch.autograd.backward(out, grads)
-        for x in inputs:
-            x.grad = None
-
-    return fwd, do_bench(step, warmup=25, rep=100)
+    return fwd, do_bench(fwd_bwd_step(fn, grads, inputs), warmup=25, rep=100)
 
 
 def copy_bandwidth() -> float:
@@ -159,7 +164,13 @@ CASES = [
 ]
 
 
-def write_results(path: str, rows: list[dict], bandwidth: float) -> None:
+def selected_cases(only: str | None) -> list[tuple]:
+    """The :data:`CASES` whose name holds one of the comma-separated substrings ``only`` (None: all)."""
+    return [case for case in CASES if not only or any(part in case[0] for part in only.split(","))]
+
+
+def results_header(bandwidth: float) -> dict:
+    """The JSON's fields before ``rows``: date, commit, device, versions, copy bandwidth, notes."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -170,15 +181,17 @@ def write_results(path: str, rows: list[dict], bandwidth: float) -> None:
             versions[module] = __import__(module).__version__
         except Exception:
             versions[module] = None
-    result = {
+    return {
         "date": str(datetime.date.today()), "commit": commit or "unknown", "device": torch.cuda.get_device_name(),
         "versions": versions, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
         "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
                 "(its guard bypassed; its gradients may be wrong on this Triton)",
-        "rows": rows,
     }
+
+
+def write_results(path: str, header: dict, rows: list[dict]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    Path(path).write_text(json.dumps({**header, "rows": rows}, indent=2) + "\n")
 
 
 def main() -> int:
@@ -189,12 +202,12 @@ def main() -> int:
                         "shape rows are replaced)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
+    header = results_header(bandwidth)
     rows = []
     if args.append and Path(args.out).is_file():
         rows = json.loads(Path(args.out).read_text()).get("rows", [])
-    for name, shape, build in CASES:
-        if args.only and not any(part in name for part in args.only.split(",")):
-            continue
+    cases = selected_cases(args.only)
+    for name, shape, build in cases:
         rows = [r for r in rows if (r["case"], r["shape"]) != (name, shape)]
         row = {"case": name, "shape": shape}
         try:
@@ -218,9 +231,9 @@ def main() -> int:
         rows.append(row)
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
-        write_results(args.out, rows, bandwidth)
-
-    write_results(args.out, rows, bandwidth)
+        write_results(args.out, header, rows)  # after every row: a timeout keeps the finished ones
+    if not cases:
+        write_results(args.out, header, rows)
 
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"

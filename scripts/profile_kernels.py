@@ -18,17 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CASES  # noqa: E402
+from bench_kernels import fwd_bwd_step, selected_cases  # noqa: E402
 
 
 def kernel_times(fn, grads, inputs, iters: int) -> dict[str, tuple[float, float]]:
     """``{kernel name: (launches per pass, ms per pass)}`` over ``iters`` forward+backward passes."""
-    def step():
-        out = fn()
-        torch.autograd.backward(out, grads)
-        for x in inputs:
-            x.grad = None
-
+    step = fwd_bwd_step(fn, grads, inputs)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -64,9 +59,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args()
     blocks = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-    for name, shape, build in CASES:
-        if args.only and not any(part in name for part in args.only.split(",")):
-            continue
+    for name, shape, build in selected_cases(args.only):
         try:
             ours, anchor, grads, inputs, _ = build()
             blocks.append(render(f"{name} {shape} -- ours", kernel_times(ours, grads, inputs, args.iters)))
