@@ -256,7 +256,6 @@ def test_console_script_help_and_recipes():
 
 
 def test_recipes_and_convert(capsys):
-    pytest.importorskip("hybridzoo.zoo.convert")
     code, out, err = run_cli(["recipes"], capsys)
     assert code == 0, err
     assert "tiny-hybrid" in out and "361,720" in out
