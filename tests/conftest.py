@@ -18,6 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Lightning gives its logger a StreamHandler bound to the sys.stderr of the moment it is first
+# imported. Imported inside a test that captures output (capsys), that stream is closed after the
+# test, and every later Lightning log line in the process prints "--- Logging error ---" into the
+# next tests' stderr (which CLI tests read): import it here, at session start, instead.
+import lightning.pytorch  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
