@@ -9,7 +9,7 @@ Run each case in its own process (a fault kills the CUDA context), e.g.:
 Modes: ``la_<K>`` (chunk_linear_attn, scalar decay, B 64, T 256, Hk 1, H 4, K, V 32, bf16),
 ``conv`` (causal_conv1d, B 64, T 256, 256 channels), ``<recipe>:<backend>`` (that recipe's model,
 one bf16-autocast step at B 64, T 256). Warps: ``auto`` (hybridzoo's choice) or a number forced on
-every linear-attention launch. Prints ``PROBE <mode> <warps> OK|FAIL ...``.
+every launch that asks ``launch.warps``. Prints ``PROBE <mode> <warps> OK|FAIL ...``.
 """
 import sys
 import traceback
