@@ -36,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate an exported checkpoint directory")
     evaluate.add_argument("directory", help="a checkpoint directory (model.safetensors + config.json)")
     evaluate.add_argument("--data", action="append", metavar="PATH",
-                          help="text / jsonl / parquet file or folder to evaluate on instead of the "
-                               "training data's held-out split (repeatable)")
+                          help="text / jsonl / parquet file or folder whose held-out split (the same "
+                               "fixed split as in training) replaces the training data's (repeatable)")
     evaluate.add_argument("--max-batches", type=int, default=None,
                           help="evaluate at most this many batches (default: the whole held-out split)")
     evaluate.add_argument("--batch-size", type=int, default=None, help="override the training batch size")
