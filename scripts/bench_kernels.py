@@ -1,7 +1,8 @@
 """GPU benchmark: hybridzoo's Triton kernels against fla and mamba_ssm on the shapes of
 shared/ANCHORS.md (bf16 inputs, fp32 decays, medians of ``triton.testing.do_bench``).
 
-Each row: forward and forward+backward time of ours and of the anchor, in the same process,
+Each row: forward and forward+backward time of ours (autotuned, and with the fixed launch
+settings: ``ours_fixed``) and of the anchor, in the same process,
 the ratio ours/anchor, the HBM byte floor of the forward (inputs read once + output written
 once over the measured copy bandwidth), and the relative error of our output against the
 anchor's. Prints a table last; writes JSON to --out.
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hybridzoo.kernels as K  # noqa: E402
+from hybridzoo.kernels.triton import launch  # noqa: E402
 from hybridzoo.utils import rel_err  # noqa: E402
 
 DEV = "cuda"
@@ -215,11 +217,18 @@ def main() -> int:
             row["fwd_floor_ms"] = floor_bytes / bandwidth * 1e3
             with torch.no_grad():
                 row["rel_err_vs_anchor"] = rel_err(ours().float(), anchor().float())
-            for who, fn in (("ours", ours), ("anchor", anchor)):
-                try:
+            for who, fn in (("ours", ours), ("ours_fixed", ours), ("anchor", anchor)):
+                try:  # ours_fixed: our kernels with autotuning off (launch.run's fixed settings)
+                    launch.AUTOTUNE = who != "ours_fixed"
                     row[f"{who}_fwd_ms"], row[f"{who}_fwdbwd_ms"] = bench(fn, grads, inputs)
                 except Exception as error:  # one side failing must not hide the other
                     row[f"{who}_error"] = f"{type(error).__name__}: {error}"[:300]
+                finally:
+                    launch.AUTOTUNE = True
+            row["tuned_configs"] = {name: sorted({str(c) for c in tuner.cache.values()})
+                                    for name, tuner in launch.TUNED.items() if tuner.cache}
+            for tuner in launch.TUNED.values():
+                tuner.cache.clear()  # the next case's choices only
             for kind in ("fwd", "fwdbwd"):
                 if row.get(f"ours_{kind}_ms") and row.get(f"anchor_{kind}_ms"):
                     row[f"ratio_{kind}"] = row[f"ours_{kind}_ms"] / row[f"anchor_{kind}_ms"]
@@ -238,10 +247,10 @@ def main() -> int:
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
-    print(f"\n{'case':52s} {'shape':32s} {'ours fwd':>9s} {'anc fwd':>9s} {'ours f+b':>9s} {'anc f+b':>9s} {'ratio f+b':>9s} {'floor':>7s} {'err':>8s}")
+    print(f"\n{'case':52s} {'shape':32s} {'ours fwd':>9s} {'anc fwd':>9s} {'ours f+b':>9s} {'fixed f+b':>9s} {'anc f+b':>9s} {'ratio f+b':>9s} {'floor':>7s} {'err':>8s}")
     for r in rows:
         print(f"{r['case'][:52]:52s} {r['shape'][:32]:32s} {fmt(r.get('ours_fwd_ms')):>9s} {fmt(r.get('anchor_fwd_ms')):>9s} "
-              f"{fmt(r.get('ours_fwdbwd_ms')):>9s} {fmt(r.get('anchor_fwdbwd_ms')):>9s} {fmt(r.get('ratio_fwdbwd')):>9s} "
+              f"{fmt(r.get('ours_fwdbwd_ms')):>9s} {fmt(r.get('ours_fixed_fwdbwd_ms')):>9s} {fmt(r.get('anchor_fwdbwd_ms')):>9s} {fmt(r.get('ratio_fwdbwd')):>9s} "
               f"{fmt(r.get('fwd_floor_ms')):>7s} {r.get('rel_err_vs_anchor', float('nan')):8.1e}"
               + (f"  [{(r.get('error') or r.get('ours_error') or r.get('anchor_error'))[:60]}]"
                  if r.get('error') or r.get('ours_error') or r.get('anchor_error') else ""))

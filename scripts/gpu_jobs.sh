@@ -10,7 +10,9 @@
 # <s> seconds instead of JOB_S, within the deadline, e.g. bench=per-key~500):
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
 #                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
-#                                names mamba or backends (otherwise its adapter test skips)
+#                                names mamba or backends (otherwise its adapter test skips);
+#                                TEST_AUTOTUNE=0: kernels with their fixed launch settings (no
+#                                autotuning compiles per test shape; test_autotune.py turns it on)
 #   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
 #   kprof=<rows>                 scripts/profile_kernels.py --only <rows>: GPU time per kernel
 #   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
@@ -58,7 +60,7 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
     tests) needs_mamba "$arg" && wait_mamba
-           timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
+           HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
              -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
     bench) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
@@ -110,4 +112,5 @@ rm -rf /tmp/res_pack && cp -r "$RES" /tmp/res_pack && tar czf "$OUT/results.tar.
 if [ "$(stat -c %s "$OUT/triton_cache.tar.gz")" -gt 15000000 ]; then
   ( cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton_cache.tar.gz" -T - )
 fi
+touch "$OUT/.done"  # scripts/gpu_poll.sh waits for it
 cat "$OUT/summary.txt" | tail -n 120

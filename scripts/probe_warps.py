@@ -8,8 +8,8 @@ Run each case in its own process (a fault kills the CUDA context), e.g.:
 
 Modes: ``la_<K>`` (chunk_linear_attn, scalar decay, B 64, T 256, Hk 1, H 4, K, V 32, bf16),
 ``conv`` (causal_conv1d, B 64, T 256, 256 channels), ``<recipe>:<backend>`` (that recipe's model,
-one bf16-autocast step at B 64, T 256). Warps: ``auto`` (hybridzoo's choice) or a number forced on
-every launch that asks ``launch.warps``. Prints ``PROBE <mode> <warps> OK|FAIL ...``.
+one bf16-autocast step at B 64, T 256). Warps: ``auto`` (hybridzoo's choice, autotuning included)
+or a number forced on every launch that asks ``launch.warps`` (autotuning off). Prints ``PROBE <mode> <warps> OK|FAIL ...``.
 """
 import sys
 import traceback
@@ -24,6 +24,7 @@ mode, warps = sys.argv[1], sys.argv[2]
 from hybridzoo.kernels.triton import launch  # noqa: E402
 if warps != "auto":  # force one num_warps on every launch that asks launch.warps
     launch.warps = (lambda *tiles, w=int(warps): w)
+    launch.AUTOTUNE = False  # autotuned kernels take their fixed settings, which ask launch.warps
 import hybridzoo.kernels as K  # noqa: E402
 from hybridzoo import HybridConfig, HybridLM  # noqa: E402
 from hybridzoo.kernels.reference.linear_attn import chunk_linear_attn as ref  # noqa: E402

@@ -219,15 +219,7 @@ STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1)
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 
-def _autotuned(kernel, restore: tuple[str, ...] = ()):
-    """``kernel`` autotuned over :data:`STATE_CONFIGS` on a GPU (``restore``: buffers the kernel
-    updates in place, restored between trials); the plain kernel under the interpreter."""
-    if launch.interpret():
-        return kernel
-    return triton.autotune(STATE_CONFIGS, key=STATE_KEY, restore_value=list(restore) or None)(kernel)
-
-
-_state_fwd = _autotuned(_state_fwd_kernel)
+_state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY)
 
 
 class _Config:
@@ -261,12 +253,12 @@ class _Config:
                     PREC=self.prec, num_warps=self.warps, num_stages=self.stages)
 
     def state_launch(self) -> tuple:
-        """``(grid, constants)`` of an :func:`_autotuned` state kernel: the V-block width and the
-        launch settings come from the autotuner on a GPU, from :meth:`consts` under the interpreter."""
-        if self.n_interp:
-            return (self.B * self.H, self.NV), self.consts()
-        consts = {k: v for k, v in self.consts().items() if k not in ("BV", "num_warps", "num_stages")}
-        return (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts
+        """``(grid, constants, fixed)`` of an autotuned state kernel for :func:`launch.run`: the
+        V-block width and launch settings come from the autotuner on a GPU, else from ``fixed``."""
+        tuned = ("BV", "num_warps", "num_stages")
+        consts = {k: v for k, v in self.consts().items() if k not in tuned}
+        fixed = {k: v for k, v in self.consts().items() if k in tuned}
+        return (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
 
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
         return launch.empty(shape, dtype, self.device)
@@ -279,9 +271,9 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
     _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
-    grid, consts = cfg.state_launch()
-    _state_fwd[grid](k, w, u, log_a, h0, h, vn, ht, T, N, HAS_H0=initial_state is not None,
-                     N_INTERP=cfg.n_interp, **consts)
+    grid, consts, fixed = cfg.state_launch()
+    launch.run(_state_fwd, grid, k, w, u, log_a, h0, h, vn, ht, T, N,
+               HAS_H0=initial_state is not None, N_INTERP=cfg.n_interp, fixed=fixed, **consts)
     return tm, w, u, h, vn, ht
 
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
-from hybridzoo.kernels.triton.delta_rule import (_autotuned, _chunk_decays, _chunk_rows, _dot, _load_rows,
-                                                  _store_rows)
+from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows, _dot,
+                                                 _load_rows, _store_rows)
 
 
 @triton.jit
@@ -199,7 +199,8 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     tl.store(dla_ptr + rows, tl.cumsum(dg, axis=0, reverse=True), mask=mask_t)
 
 
-_state_bwd = _autotuned(_state_bwd_kernel, restore=("dv_ptr",))  # dv_ptr (dVn) is updated in place
+# dv_ptr (dVn) is updated in place: restored between autotuning trials
+_state_bwd = launch.autotuned(_state_bwd_kernel, STATE_CONFIGS, STATE_KEY, restore=("dv_ptr",))
 
 
 def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
@@ -215,9 +216,9 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     dh, dh0 = cfg.buf(B, H, N, K, V), cfg.buf(B, H, K, V)
     has_dht = dht is not None
     dht = dht.float().contiguous() if has_dht else dh0
-    grid, state_consts = cfg.state_launch()
-    _state_bwd[grid](q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N, HAS_DHT=has_dht,
-                     N_INTERP=cfg.n_interp, **state_consts)
+    grid, state_consts, fixed = cfg.state_launch()
+    launch.run(_state_bwd, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
+               HAS_DHT=has_dht, N_INTERP=cfg.n_interp, fixed=fixed, **state_consts)
     dq, dk, dw = cfg.buf(B, T, H, K), cfg.buf(B, T, H, K), cfg.buf(B, T, H, K)
     dg = cfg.buf(B, H, N * C)
     _bwd_qk_kernel[(N, B * H)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N, **consts)

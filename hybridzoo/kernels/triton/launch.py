@@ -1,5 +1,5 @@
 """Launch-side helpers shared by every Triton op: interpreter detection, loop bounds, dot
-precision, launch width, output buffers and head-group sums.
+precision, launch width, autotuning, output buffers and head-group sums.
 
 Modules call these through the module (``launch.empty(...)``), so a test or a probe that sets
 ``launch.POISON_OUTPUTS`` or replaces ``launch.warps`` reaches every op at once.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 
 POISON_OUTPUTS = False  # tests set this: every buffer starts as NaN, so an unwritten element shows
 
@@ -20,6 +21,12 @@ POISON_OUTPUTS = False  # tests set this: every buffer starts as NaN, so an unwr
 # illegal memory access on an H200 with 8 warps (Triton 3.6; ``scripts/probe_warps.py``), and 4
 # is the setting every such shape was verified with.
 WARPS = 8
+
+# Autotuned kernels (:func:`autotuned`) pick their launch settings on a GPU; with AUTOTUNE off
+# (``HYBRIDZOO_AUTOTUNE=0``, or a probe / benchmark setting it) and under the interpreter they run
+# with the fixed settings their launcher gives (:func:`run`). Results do not depend on it.
+AUTOTUNE = os.environ.get("HYBRIDZOO_AUTOTUNE", "1") != "0"
+TUNED: dict = {}  # kernel name -> its autotuner (benchmarks report the configs they chose)
 
 
 def interpret() -> bool:
@@ -43,6 +50,70 @@ def dot_precision(dtype: torch.dtype) -> str:
 def warps(*tiles: int) -> int:
     """num_warps of a launch from its tile widths (a setting only: the results are the same)."""
     return WARPS if min(tiles) >= 64 else 4
+
+
+def warp_configs(tiles: dict[str, tuple[int, ...]] | None = None, stages=(None,)) -> list:
+    """``triton.Config`` s over num_warps 4 / 8, the ``tiles`` choices (name -> widths) and
+    ``stages`` (None: Triton's default); pair with :func:`prune_warps`."""
+    configs = [{}]
+    for name, widths in (tiles or {}).items():
+        configs = [dict(c, **{name: w}) for c in configs for w in widths]
+    return [triton.Config(c, num_warps=w, **({} if s is None else {"num_stages": s}))
+            for c in configs for w in (4, 8) for s in stages]
+
+
+def prune_warps(*fixed: str, tiles: tuple[str, ...] = (), limit: dict[str, str] | None = None):
+    """An ``early_config_prune`` for :func:`warp_configs`. Keeps a config only if each tile named
+    in ``limit`` (tile -> the dimension it spans) is between the fixed launch's width (the padded
+    dimension, at most 64) and the padded dimension, and 8 warps only where :func:`warps` allows
+    8 on every tile (the ``fixed`` constexprs of the launch and the config's ``tiles``): an
+    autotuning trial that faults kills the process."""
+    limit = limit or {}
+
+    def fits(width: int, dim: int) -> bool:
+        padded = max(16, triton.next_power_of_2(dim))
+        return min(padded, 64) <= width <= padded
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        kept = []
+        for config in configs:
+            widths = [args[name] for name in fixed] + [config.kwargs[name] for name in tiles]
+            if not all(fits(config.kwargs[t], args[d]) for t, d in limit.items()):
+                continue
+            if config.num_warps > 4 and warps(*widths) == 4:
+                continue
+            kept.append(config)
+        return kept
+
+    return prune
+
+
+def autotuned(kernel, configs: list, key: list[str], prune=None, restore: tuple[str, ...] = ()):
+    """``kernel`` autotuned over ``configs`` (keyed on the ``key`` arguments and every tensor's
+    dtype; ``restore``: buffers the kernel updates in place, restored between trials), or the
+    plain kernel under the interpreter."""
+    if interpret():
+        return kernel
+    TUNED[kernel.__name__] = triton.autotune(
+        configs, key=key, restore_value=list(restore) or None,
+        prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
+    return TUNED[kernel.__name__]
+
+
+def run(kernel, grid, *args, fixed: dict, **consts):
+    """Launch ``kernel`` (plain or :func:`autotuned`) with ``consts``; ``fixed`` holds the settings
+    the autotuner picks (tile widths, ``num_warps``, ``num_stages``), used when the kernel is not
+    autotuned or :data:`AUTOTUNE` is off. ``grid`` may be a function of the launch's arguments.
+    Returns the settings the launch used (``fixed`` or the autotuner's choice)."""
+    if isinstance(kernel, triton.runtime.Autotuner):
+        if AUTOTUNE:
+            kernel[grid](*args, **consts)
+            return {**kernel.best_config.kwargs, "num_warps": kernel.best_config.num_warps,
+                    "num_stages": kernel.best_config.num_stages}
+        kernel = kernel.fn
+    kernel[grid](*args, **consts, **fixed)
+    return fixed
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -221,6 +221,21 @@ def _fwd_o_kernel(q, k, v, b, h, A, o, scale, T, NT, H: tl.constexpr, HK: tl.con
 
 # ----------------------------------------------------------------------------------- launchers
 
+# On a GPU the chunk kernels are autotuned (launch.autotuned) over num_warps, and over the
+# pipelining stages of the sequential state loops, or the key- and value-tile widths of the
+# per-chunk kernels (at K = V = 128, tiles of 128 read q, k, v and dO and build the scores once
+# instead of once per 64-wide tile). Under the interpreter, or with launch.AUTOTUNE off, they run
+# with the fixed settings of their launchers (tiles of at most 64, launch.warps). The results do
+# not depend on the setting.
+TUNE_KEY = ["H", "HK", "K", "V", "C", "DECAY", "PREC"]
+STATE_TUNING = dict(configs=launch.warp_configs(stages=(1, 2, 3)), prune=launch.prune_warps("C", "BK", "BV"))
+_TILES = (16, 32, 64, 128)
+CHUNK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES, "BV": _TILES}),
+                    prune=launch.prune_warps("C", tiles=("BK", "BV"), limit={"BK": "K", "BV": "V"}))
+_fwd_h = launch.autotuned(_fwd_h_kernel, key=TUNE_KEY + ["HAS_H0", "STORE_H", "STORE_HT"], **STATE_TUNING)
+_fwd_o = launch.autotuned(_fwd_o_kernel, key=TUNE_KEY, **CHUNK_TUNING)
+
+
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """dtype of the stored chunk-boundary states ``h`` (and of ``dh`` in the backward): the inputs'
     for 16-bit inputs, as fla stores them (the dots that read them round to 16 bits anyway; it
@@ -255,13 +270,13 @@ def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False):
     hT = launch.empty((B, H, K, V), torch.float32, v.device) if store_final else None
     dummy = torch.empty(1, **f32)
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
-    _fwd_h_kernel[grid](
-        k, v, b if b is not None else dummy, h if store_h else dummy,
+    launch.run(
+        _fwd_h, grid, k, v, b if b is not None else dummy, h if store_h else dummy,
         initial_state if initial_state is not None else dummy, hT if store_final else dummy,
         T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
         HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final,
-        PREC=launch.dot_precision(v.dtype),
-        NT_LOOP=launch.loop_count(NT), num_warps=launch.warps(BK, BV))
+        PREC=launch.dot_precision(v.dtype), NT_LOOP=launch.loop_count(NT),
+        fixed=dict(num_warps=launch.warps(BK, BV)))
     return h, hT
 
 
@@ -282,10 +297,10 @@ def fwd_o(q, k, v, b, h, A, scale, decay, C):
     BK, BV = _block(K), _block(V)
     o = launch.empty(v.shape, v.dtype, v.device)
     dummy = torch.empty(1, dtype=torch.float32, device=v.device)
-    grid = (triton.cdiv(V, BV), NT, B * H)
-    _fwd_o_kernel[grid](q, k, v, b if b is not None else dummy, h, A if A is not None else dummy, o,
-                        float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
-                        PREC=launch.dot_precision(v.dtype), num_warps=launch.warps(BK, BV))
+    grid = lambda args: (triton.cdiv(V, args["BV"]), NT, B * H)  # noqa: E731
+    launch.run(_fwd_o, grid, q, k, v, b if b is not None else dummy, h, A if A is not None else dummy,
+               o, float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
+               PREC=launch.dot_precision(v.dtype), fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
     return o
 
 

@@ -37,8 +37,11 @@ import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.linear_attn import (
+    CHUNK_TUNING,
     LOG_A_MIN,
+    STATE_TUNING,
     SUB_CHUNK,
+    TUNE_KEY,
     _block,
     _exp_le0,
     chunk_cumsum,
@@ -319,6 +322,14 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
             tl.store(dg + i_k * dg_stride + rows * H + i_h, tl.sum(tl.where(m_k, dg_t, 0.0), axis=1), mask=m_t)
 
 
+# autotuned on a GPU like the forward's kernels (see linear_attn.py); _bwd_dqk_kernel adds to
+# dq / dk in place for per-key decays, so they are restored between trials
+_bwd_dh = launch.autotuned(_bwd_dh_kernel, key=TUNE_KEY + ["HAS_DHT", "STORE_DH0"], **STATE_TUNING)
+_bwd_dv = launch.autotuned(_bwd_dv_kernel, key=TUNE_KEY, **CHUNK_TUNING)
+_bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restore=("dq", "dk"),
+                            **CHUNK_TUNING)
+
+
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *,
                           need_dlog_a=True, need_dh0=True):
     """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero)."""
@@ -340,17 +351,17 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     dh = launch.empty((B, H, NT, K, V), state_dtype(v.dtype), v.device)
     dh0 = launch.empty((B, H, K, V), torch.float32, v.device) if (need_dh0 and initial_state is not None) else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
-    _bwd_dh_kernel[grid](q, b_, do, dh, dhT if dhT is not None else dummy,
-                         dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K,
-                         V=V, C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None,
-                         STORE_DH0=dh0 is not None, PREC=prec, NT_LOOP=launch.loop_count(NT),
-                         num_warps=launch.warps(BK, BV))
+    launch.run(_bwd_dh, grid, q, b_, do, dh, dhT if dhT is not None else dummy,
+               dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C,
+               BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
+               PREC=prec, NT_LOOP=launch.loop_count(NT), fixed=dict(num_warps=launch.warps(BK, BV)))
 
     A = intra_A(q, k, b, H, C) if decay == 2 else None
     dv = launch.empty(v.shape, v.dtype, v.device)
-    _bwd_dv_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK, K=K,
-        V=V, C=C, BK=BK, BV=BV, DECAY=decay, PREC=prec, num_warps=launch.warps(BK, BV))
+    launch.run(_bwd_dv, lambda args: (triton.cdiv(V, args["BV"]), NT, B * H),
+               q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK,
+               K=K, V=V, C=C, DECAY=decay, PREC=prec,
+               fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     # dq, dk straight in the inputs' dtype when nothing is added to them afterwards (no per-key
     # intra part, no sum over the value heads of a q/k head); else float32
@@ -364,18 +375,18 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
         _bwd_intra_dqk_kernel[(triton.cdiv(K, BK), NT, B * H)](
             q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=min(SUB_CHUNK, C), BK=BK, PREC=prec,
             num_warps=launch.warps(BK))
-    NK = triton.cdiv(K, BK)
     dg = None
-    if need_dlog_a:  # per key, or (scalar decay) one sum per key block
-        dg = launch.empty((B, T, H, K) if decay == 2 else (NK, B, T, H), torch.float32, v.device)
-    _bwd_dqk_kernel[(NK, NT, B * H)](
-        q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H, float(scale), T, NT, H=H,
-        HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay, STORE_DG=need_dlog_a, PREC=prec,
-        num_warps=launch.warps(BK, BV))
+    if need_dlog_a:  # per key, or (scalar decay) one sum per key block (as many as BK <= 64 makes)
+        dg = launch.empty((B, T, H, K) if decay == 2 else (triton.cdiv(K, BK), B, T, H), torch.float32, v.device)
+    used = launch.run(_bwd_dqk, lambda args: (triton.cdiv(K, args["BK"]), NT, B * H),
+                      q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H,
+                      float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
+                      STORE_DG=need_dlog_a, PREC=prec, fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     dlog_a = None
-    if need_dlog_a:  # a scalar decay per head gets the sum over the key blocks
-        dlog_a = dg if decay == 2 else (dg[0] if NK == 1 else dg.sum(0))
+    if need_dlog_a:  # a scalar decay per head gets the sum over the key blocks the launch used
+        NK = triton.cdiv(K, used["BK"])
+        dlog_a = dg if decay == 2 else (dg[0] if NK == 1 else dg[:NK].sum(0))
         dlog_a = torch.where(log_a < LOG_A_MIN, 0.0, dlog_a)       # clamped: no gradient
     dq = launch.sum_head_groups(dq, HK, q.dtype)
     dk = launch.sum_head_groups(dk, HK, k.dtype)
