@@ -10,6 +10,9 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
     python scripts/kernel_resources.py            # the table below, about a minute on one core
     python scripts/kernel_resources.py --all      # every kernel of both ops at the largest head
                                                   # sizes, bf16 and fp32: shared memory must fit
+    python scripts/kernel_resources.py --spills   # the conv and selective-scan kernels at every
+                                                  # launch setting they may run with: no spills
+                                                  # (beyond the allowance named in SPILL_ALLOWED)
 """
 
 from __future__ import annotations
@@ -134,7 +137,65 @@ def all_kernels():
                        stages)
 
 
+# bytes of spill stores per thread a setting may have: the selective scan's fixed backward tile
+# (32 channels, 8 warps) spills 236 B at N = 16 and stays a candidate (the fastest measured)
+SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256}
+
+
+def elementwise_settings():
+    """(name, kernel, types, constexprs, warps, stages) of the conv and selective-scan kernels at
+    their benchmark shapes (bf16, silu / softplus, bias, D, z; N = 16) for every launch setting
+    they may run with: the fixed one and each autotuning candidate."""
+    import importlib
+
+    conv = importlib.import_module("hybridzoo.kernels.triton.conv")
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
+            "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
+    ints = {"T", "DM", "NTB", "N", "G", "PER_GROUP", "NB"}
+
+    def types(kernel, constexprs):
+        return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"
+                for n in kernel.arg_names if n not in constexprs}
+
+    flags = dict(W=4, HAS_BIAS=True, HAS_S0=True, SILU=True)
+    for kind, kernel, configs in (("fwd", conv._fwd_kernel, conv.FWD_CONFIGS), ("bwd", conv._bwd_kernel, conv.BWD_CONFIGS)):
+        settings = [conv.FIXED[kind]] + [dict(c.kwargs, num_warps=c.num_warps) for c in configs]
+        for st in {tuple(sorted(x.items())) for x in settings}:
+            st = dict(st)
+            ce = dict(flags, BLOCK_T=st["BLOCK_T"], BLOCK_D=st["BLOCK_D"])
+            yield (f"conv {kernel.__name__} BLOCK_T={st['BLOCK_T']} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']}",
+                   kernel, types(kernel, ce), ce, st["num_warps"], 3)
+    flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=16)
+    fixed = scan._config(training=True)
+    for kind, kernel, configs, extra in (
+            ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
+            ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
+        settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"])} | {(c.kwargs["BLOCK_D"], c.num_warps)
+                                                                         for c in configs}
+        for block_d, warps in sorted(settings):
+            ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
+            yield (f"selective_scan {kernel.__name__} BLOCK_D={block_d} warps={warps}", kernel, types(kernel, ce),
+                   ce, warps, 3)
+
+
+def check_spills() -> int:
+    bad = 0
+    for name, kernel, types, constexprs, warps, stages in elementwise_settings():
+        try:
+            r = resources(kernel, types, constexprs, warps, stages)
+            allowed = SPILL_ALLOWED.get(name, 0)
+            flag = f"SPILLS {r['spill_stores']} B > {allowed}" if (r["spill_stores"] or 0) > allowed else ""
+        except Exception as error:
+            r, flag = {}, f"error: {type(error).__name__}: {str(error)[:150]}"
+        bad += bool(flag)
+        print(f"{name:60s} regs {r.get('registers')!s:>4s} spills {r.get('spill_stores')!s:>6s} {flag}", flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
+    if "--spills" in sys.argv[1:]:
+        return check_spills()
     if "--all" in sys.argv[1:]:
         bad = 0
         for name, kernel, types, constexprs, warps, stages in all_kernels():

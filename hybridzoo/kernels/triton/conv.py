@@ -14,6 +14,7 @@ where positions before 0 read ``initial_state`` ``[B, W-1, Dm]`` (zeros if None)
   initial-state gradient; ``dpre = dy · act'(pre)`` is recomputed on chip (``W`` taps each),
   never stored. Each program also sums ``dpre_t · x_{t-W+1+i}`` over its own rows for the
   weight gradient (and ``dpre_t`` for the bias); those per-block partial sums are added in torch.
+* launch settings: see :data:`FWD_CONFIGS` (autotuned on a GPU, fixed under the interpreter).
 * ``final_state`` (the last ``W − 1`` inputs, an exact copy) is sliced in torch, so its
   gradient flows back by autograd.
 """
@@ -30,13 +31,23 @@ from hybridzoo.kernels.triton import launch
 __all__ = ["causal_conv1d"]
 
 
-def _config() -> dict:
-    """Fixed block sizes: tiny under the interpreter (``TRITON_INTERPRET=1``), else GPU sizes
-    (the fastest of four measured on one H200, B2 T16384 D2048 W4 bf16 silu: fwd 0.14 ms,
-    fwd+bwd 5.3 ms)."""
-    if launch.interpret():
-        return dict(block_t=8, block_d=8, warps=1)
-    return dict(block_t=32, block_d=256, warps=4)
+# Launch settings (tile of BLOCK_T tokens x BLOCK_D channels, warps). Under the interpreter: tiny
+# fixed tiles. On a GPU the kernels are autotuned over settings that compile for sm_90 without
+# register spills (``scripts/kernel_resources.py``; a CPU test checks them): the backward keeps
+# ~10 tiles live (the dx sum, W recomputed pre-activations), so it needs <= 8 elements per
+# thread per tile; its earlier fixed tile (32 x 256, 4 warps) spilled 15 KB per thread and took
+# 8.5 ms where causal_conv1d_fn's backward takes ~0.5 ms. FIXED: used with autotuning off.
+FWD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_D": d}, num_warps=w)
+               for t, d, w in ((32, 128, 4), (16, 256, 8), (32, 256, 8), (64, 64, 8), (16, 128, 4))]
+BWD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_D": d}, num_warps=w)
+               for t, d, w in ((16, 128, 8), (16, 256, 8), (32, 64, 8), (16, 64, 8), (64, 32, 8), (16, 64, 4))]
+FIXED = {"fwd": dict(BLOCK_T=32, BLOCK_D=128, num_warps=4), "bwd": dict(BLOCK_T=16, BLOCK_D=128, num_warps=8)}
+INTERPRETER = dict(BLOCK_T=8, BLOCK_D=8, num_warps=1)
+TUNE_KEY = ["DM", "W", "HAS_BIAS", "HAS_S0", "SILU"]
+
+
+def _fixed(kind: str) -> dict:
+    return INTERPRETER if launch.interpret() else FIXED[kind]
 
 
 @triton.jit
@@ -129,44 +140,51 @@ def _bwd_kernel(
         tl.store(db_ptr + part, tl.sum(dpre, axis=0), mask=dmask)
 
 
+_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY)
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY)
+
+
 class _CausalConv1dFn(torch.autograd.Function):
     """x ``[B, T, Dm]``, weight ``[Dm, W]``, bias, initial_state ``[B, W-1, Dm]``, all contiguous."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, silu):
-        cfg = _config()
         batch, length, dm = x.shape
         width = weight.shape[1]
         y = launch.empty(x.shape, x.dtype, x.device)
-        grid = (batch, triton.cdiv(length, cfg["block_t"]), triton.cdiv(dm, cfg["block_d"]))
-        _fwd_kernel[grid](
+        launch.run(
+            _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
             length, dm, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
-            BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"],
+            fixed=_fixed("fwd"),
         )
         ctx.save_for_backward(x, weight, bias, initial_state)
-        ctx.silu, ctx.cfg = silu, cfg
+        ctx.silu = silu
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, initial_state = ctx.saved_tensors
-        cfg = ctx.cfg
         batch, length, dm = x.shape
         width = weight.shape[1]
-        n_tblocks = triton.cdiv(length + width - 1, cfg["block_t"])
+        # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
+        # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, BLOCK_T)
+        min_block_t = min([_fixed("bwd")["BLOCK_T"]] + [c.kwargs["BLOCK_T"] for c in BWD_CONFIGS])
+        rows = triton.cdiv(length + width - 1, min_block_t)
         dx = launch.empty(x.shape, x.dtype, x.device)
         ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
-        dw = launch.empty((batch, n_tblocks, dm, width), torch.float32, x.device)  # partial sums
-        db = None if bias is None else launch.empty((batch, n_tblocks, dm), torch.float32, x.device)
-        _bwd_kernel[(batch, n_tblocks, triton.cdiv(dm, cfg["block_d"]))](
+        dw = launch.empty((batch, rows, dm, width), torch.float32, x.device)
+        db = None if bias is None else launch.empty((batch, rows, dm), torch.float32, x.device)
+        used = launch.run(
+            _bwd, lambda a: (batch, triton.cdiv(length + width - 1, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
             dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
-            length, dm, n_tblocks, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
-            SILU=ctx.silu, BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"],
+            length, dm, rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
+            SILU=ctx.silu, fixed=_fixed("bwd"),
         )
-        dweight = dw.sum((0, 1)).to(weight.dtype)
-        dbias = None if bias is None else db.sum((0, 1)).to(bias.dtype)
+        filled = triton.cdiv(length + width - 1, used["BLOCK_T"])
+        dweight = dw[:, :filled].sum((0, 1)).to(weight.dtype)
+        dbias = None if bias is None else db[:, :filled].sum((0, 1)).to(bias.dtype)
         return dx, dweight, dbias, ds0, None
 
 

@@ -44,12 +44,22 @@ def _config(training: bool) -> dict:
     A forward that will be differentiated shares ``block_t`` with its backward (which restarts
     from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
     the fastest of a few measured on one H200 at B2 T16384 D2048 N16 bf16 (fwd 3.6 ms alone,
-    fwd+bwd 25.7 ms)."""
+    fwd+bwd 25.7 ms). On a GPU the channel block and warps are autotuned (:data:`FWD_CONFIGS`,
+    :data:`BWD_CONFIGS`); these are the settings with autotuning off."""
     if launch.interpret():
         return dict(block_t=8, fwd_block_d=8, fwd_warps=1, bwd_block_d=8, bwd_warps=1)
     if not training:
         return dict(block_t=32, fwd_block_d=16, fwd_warps=8)
     return dict(block_t=16, fwd_block_d=16, fwd_warps=4, bwd_block_d=32, bwd_warps=8)
+
+
+# Autotuned channel blocks and warps (the time block is fixed by _config: the backward restarts
+# from the forward's per-block states). All compile for sm_90 without register spills at
+# N = 16 except the backward's fixed 32-channel / 8-warp tile (236 B per thread), kept as a
+# candidate since it was the fastest measured; scripts/kernel_resources.py, checked by a CPU test.
+FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((16, 4), (32, 4), (8, 4), (16, 8))]
+BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((32, 8), (16, 8), (8, 4))]
+TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
 
 @triton.jit
@@ -247,8 +257,13 @@ def _bwd_kernel(
         tl.store(dbias_ptr + b * DM + d, dbias_acc, mask=dmask)
 
 
-def _grid_shape(batch, groups, per_group, block_d):
-    return (batch, groups * triton.cdiv(per_group, block_d))
+def _grid_shape(batch, groups, per_group):
+    return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]))
+
+
+_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"])
+# dB and dC start at zero and gather atomic adds: restored between autotuning trials
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT"], restore=("dB_ptr", "dC_ptr"))
 
 
 class _SelectiveScanFn(torch.autograd.Function):
@@ -266,15 +281,16 @@ class _SelectiveScanFn(torch.autograd.Function):
         y = launch.empty((batch, length, dm), u.dtype, u.device)
         final = launch.empty((batch, dm, n), torch.float32, u.device)
         ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
-        _fwd_kernel[_grid_shape(batch, groups, per_group, cfg["fwd_block_d"])](
+        launch.run(
+            _fwd, _grid_shape(batch, groups, per_group),
             u, delta, A, B, C, u if D is None else D, u if z is None else z,
             u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
             y, final, ckpt,
             length, dm, n, groups, per_group, n_blocks,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
-            BLOCK_T=cfg["block_t"], BLOCK_D=cfg["fwd_block_d"], BLOCK_N=block_n,
-            num_warps=cfg["fwd_warps"],
+            BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+            fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
         )
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, ckpt)
         ctx.softplus, ctx.cfg, ctx.has_h0 = softplus, cfg, initial_state is not None
@@ -301,7 +317,8 @@ class _SelectiveScanFn(torch.autograd.Function):
         dh0 = launch.empty((batch, dm, n), torch.float32, dev)
         dy = None if dy is None else dy.contiguous()
         dfinal = None if dfinal is None else dfinal.contiguous()
-        _bwd_kernel[_grid_shape(batch, groups, per_group, cfg["bwd_block_d"])](
+        launch.run(
+            _bwd, _grid_shape(batch, groups, per_group),
             u, delta, A, B, C, u if D is None else D, u if z is None else z,
             u if delta_bias is None else delta_bias, ckpt,
             u if dy is None else dy, u if dfinal is None else dfinal,
@@ -310,8 +327,8 @@ class _SelectiveScanFn(torch.autograd.Function):
             length, dm, n, groups, per_group, ckpt.shape[1],
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             SOFTPLUS=ctx.softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-            BLOCK_T=cfg["block_t"], BLOCK_D=cfg["bwd_block_d"], BLOCK_N=max(triton.next_power_of_2(n), 2),
-            num_warps=cfg["bwd_warps"],
+            BLOCK_T=cfg["block_t"], BLOCK_N=max(triton.next_power_of_2(n), 2),
+            fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
         )
         return (
             du, ddelta, dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

@@ -131,6 +131,34 @@ def test_gpu_real_shapes(monkeypatch, dtype, tol, dm, width):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autotune", [False, True], ids=["each-setting", "autotuner"])
+def test_gpu_every_launch_setting(monkeypatch, autotune):
+    """Each forward and backward setting the autotuner may pick (i-th of each together), and the
+    autotuner itself, at a length no tile divides; bf16 against the float64 reference."""
+    import hybridzoo.kernels.triton.conv as conv
+
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    pairs = [([conv.FWD_CONFIGS[i % len(conv.FWD_CONFIGS)]], [conv.BWD_CONFIGS[i % len(conv.BWD_CONFIGS)]])
+             for i in range(max(len(conv.FWD_CONFIGS), len(conv.BWD_CONFIGS)))]
+    for fwd_configs, bwd_configs in (pairs if not autotune else [(conv.FWD_CONFIGS, conv.BWD_CONFIGS)]):
+        monkeypatch.setattr(conv._fwd, "configs", fwd_configs)
+        monkeypatch.setattr(conv._bwd, "configs", bwd_configs)
+        conv._fwd.cache.clear(), conv._bwd.cache.clear()
+        x = _inputs(batch=2, length=1000, dm=300, width=4, seed=10, dtype=torch.bfloat16, device="cuda")
+        tri_in, ref_in = _leaves(x), _leaves(x, F64)
+        y, s = _run(causal_conv1d, tri_in, "silu")
+        y_ref, s_ref = _run(reference_conv, ref_in, "silu")
+        assert rel_err(y, y_ref) <= 1e-2, fwd_configs
+        gy = torch.randn_like(y_ref)
+        (y.to(F64) * gy).sum().backward()
+        (y_ref * gy).sum().backward()
+        for name, leaf in tri_in.items():
+            assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, bwd_configs)
+    conv._fwd.cache.clear(), conv._bwd.cache.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_auto_dispatch_picks_triton():
     x = _inputs(length=64, dm=64, dtype=torch.float32, device="cuda")
     y, s = _run(lambda *a, **k: causal_conv1d_op(*a, **k, backend="auto"), x, None)

@@ -234,6 +234,39 @@ def test_gpu_full_shape_backward_no_nan(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autotune", [False, True], ids=["each-setting", "autotuner"])
+def test_gpu_every_launch_setting(monkeypatch, autotune):
+    """Each forward and backward setting the autotuner may pick (i-th of each together), and the
+    autotuner itself (its trials must not add to dB / dC twice), bf16, all gradients."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    _poison(monkeypatch)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    n_pairs = max(len(scan.FWD_CONFIGS), len(scan.BWD_CONFIGS))
+    pairs = [([scan.FWD_CONFIGS[i % len(scan.FWD_CONFIGS)]], [scan.BWD_CONFIGS[i % len(scan.BWD_CONFIGS)]])
+             for i in range(n_pairs)]
+    for fwd_configs, bwd_configs in (pairs if not autotune else [(scan.FWD_CONFIGS, scan.BWD_CONFIGS)]):
+        monkeypatch.setattr(scan._fwd, "configs", fwd_configs)
+        monkeypatch.setattr(scan._bwd, "configs", bwd_configs)
+        scan._fwd.cache.clear(), scan._bwd.cache.clear()
+        x = _inputs(batch=2, length=999, dm=96, n=16, groups=2, seed=15, dtype=torch.bfloat16, device="cuda",
+                    mamba_init=True)
+        x["A"] = x["A"].float()
+        x["initial_state"] = x["initial_state"].float()
+        tri_in, ref_in = _leaves(x), _leaves(x, torch.float32)
+        y, h = _run(selective_scan, tri_in)
+        y_ref, h_ref = _run(reference_scan, ref_in, chunk_size=128)
+        assert rel_err(y, y_ref) <= 1e-2 and rel_err(h, h_ref) <= 1e-2, fwd_configs
+        gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+        ((y.float() * gy).sum() + (h * gh).sum()).backward()
+        ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
+        for name in NAMES:
+            assert rel_err(tri_in[name].grad, ref_in[name].grad) <= 1e-2, (name, bwd_configs)
+    scan._fwd.cache.clear(), scan._bwd.cache.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_auto_dispatch_picks_triton():
     x = _inputs(length=64, dm=64, n=16, dtype=torch.float32, device="cuda")
     y, h = _run(lambda *a: selective_scan_op(*a, backend="auto"), x)
