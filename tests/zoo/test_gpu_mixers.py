@@ -43,28 +43,41 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+BF16_SEEDS = (1, 2, 3, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_model_matches_reference_on_gpu(name: str, autocast: bool):
-    """fp32: the loss and every gradient within 1e-3 of the reference kernels'. bf16 autocast: each gradient's
-    error against the fp32 reference within twice what bf16 autocast itself causes with the
-    reference kernels, plus 2e-2 (autocast alone moves some small GDN gradients by 4-8%: a flat
-    5e-2 failed mqar-gdn-s at 7.6e-2 on an H200 where every fp32 comparison passed)."""
+    """fp32: the loss and every gradient within 1e-3 of the reference kernels'. bf16 autocast: each
+    gradient's error against the fp32 reference, averaged over four batches, within twice what
+    bf16 autocast itself causes with the reference kernels (averaged the same way) plus 2e-2.
+
+    One batch is not enough for bf16: a GDN gate gradient (``dt_bias``, ``A_log``) is a sum over
+    all 16k tokens whose terms mostly cancel (sum of |terms| / |sum| ~ 120 in ``mqar-gdn-s``), so
+    any bf16 rounding moves it by a few percent, and with the reference kernels alone that error
+    ranged from 4e-3 to 5e-2 over eight batches (CPU, bf16 rounding emulated). On an H200 one
+    lucky batch (2.7e-3) set the bound at 2.5e-2 and our kernels' 4.2e-2 failed it."""
     reference, fast = _models(name)
-    ids = torch.randint(0, 512, (64, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    ref_loss, ref_grads = _loss_and_grads(reference, ids, autocast=False)
-    loss, grads = _loss_and_grads(fast, ids, autocast)
-    assert torch.isfinite(loss), name
-    assert grads.keys() == ref_grads.keys()
-    if not autocast:
-        assert abs(loss.item() - ref_loss.item()) <= 1e-3 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
-        worst = max(((_rel(grads[n], ref_grads[n]), n) for n in ref_grads), key=lambda x: x[0])
-        assert worst[0] <= 1e-3, (name, worst)
-        return
-    assert abs(loss.item() - ref_loss.item()) <= 3e-2 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
-    _, bf16_ref_grads = _loss_and_grads(reference, ids, autocast=True)
-    errors = {n: (_rel(grads[n], ref_grads[n]), _rel(bf16_ref_grads[n], ref_grads[n])) for n in ref_grads}
-    bad = {n: (round(ours, 4), round(autocast_only, 4)) for n, (ours, autocast_only) in errors.items()
-           if not ours <= 2 * autocast_only + 2e-2}
-    assert not bad, (name, "(ours, reference kernels) under bf16 vs fp32:", bad)
+    seeds = BF16_SEEDS if autocast else BF16_SEEDS[:1]
+    errors = {}  # parameter name -> [(ours, reference kernels under autocast) per batch]
+    for seed in seeds:
+        ids = torch.randint(0, 512, (64, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        ref_loss, ref_grads = _loss_and_grads(reference, ids, autocast=False)
+        loss, grads = _loss_and_grads(fast, ids, autocast)
+        assert torch.isfinite(loss), name
+        assert grads.keys() == ref_grads.keys()
+        if not autocast:
+            assert abs(loss.item() - ref_loss.item()) <= 1e-3 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
+            worst = max(((_rel(grads[n], ref_grads[n]), n) for n in ref_grads), key=lambda x: x[0])
+            assert worst[0] <= 1e-3, (name, worst)
+            return
+        assert abs(loss.item() - ref_loss.item()) <= 3e-2 * abs(ref_loss.item()), (name, loss.item(), ref_loss.item())
+        _, bf16_ref_grads = _loss_and_grads(reference, ids, autocast=True)
+        for n in ref_grads:
+            errors.setdefault(n, []).append((_rel(grads[n], ref_grads[n]), _rel(bf16_ref_grads[n], ref_grads[n])))
+    mean = {n: tuple(sum(e[i] for e in per_seed) / len(per_seed) for i in (0, 1)) for n, per_seed in errors.items()}
+    bad = {n: (round(ours, 4), round(autocast_only, 4)) for n, (ours, autocast_only) in mean.items()
+           if not ours <= 2 * autocast_only + 2e-2}  # NaN fails
+    assert not bad, (name, "mean (ours, reference kernels) under bf16 vs fp32:", bad)
