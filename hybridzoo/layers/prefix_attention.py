@@ -101,6 +101,11 @@ class _BlockPrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend):
         o = lse = None
+        # a q that does not track gradients (none is taken here: backward() does its own): on CUDA
+        # flex_attention compiles one variant per input signature, and a second one per block
+        # length for stage 2's grad-tracking q pushed SeCO's prefix blocks (4 lengths at block
+        # 16384, chunk 4096) over torch.compile's limit of 8 into flex's unfused fallback
+        q = q.detach()
         for start, end in _blocks(length, block_size):
             o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
                                           _read(v_store, start, end, q.device), scale, backend)

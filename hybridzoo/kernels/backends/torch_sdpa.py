@@ -4,7 +4,8 @@
   (flash / memory-efficient kernels on CUDA), K/V heads passed as they are (``enable_gqa``).
 * Everything else (sliding window, a K/V prefix, ``return_lse``): ``flex_attention`` with a block
   mask, compiled on CUDA. The prefix is concatenated in front of the chunk's own K/V here (one
-  copy per call); SeCO avoids that copy with its own block-by-block path. Where flex_attention
+  copy per call); SeCO avoids that copy with its own block-by-block path, whose prefix-only calls
+  (no keys of the chunk's own: everything visible) run without a copy and without a mask. Where flex_attention
   cannot run — head dims below 16 on CUDA, or a backward on CPU (flex has none there) — the
   same call goes to the reference implementation.
 
@@ -60,9 +61,14 @@ def attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False
     prefix_len = 0
     if prefix is not None:
         prefix_len = prefix[0].shape[1]
-        kt = torch.cat([prefix[0].transpose(1, 2), kt], dim=2)
-        vt = torch.cat([prefix[1].transpose(1, 2), vt], dim=2)
-    mask = _block_mask(q.shape[1], kt.shape[2], prefix_len, window, str(q.device))
+        if k.shape[1] == 0:  # prefix only (SeCO's blocks): no copy
+            kt, vt = prefix[0].transpose(1, 2), prefix[1].transpose(1, 2)
+        else:
+            kt = torch.cat([prefix[0].transpose(1, 2), kt], dim=2)
+            vt = torch.cat([prefix[1].transpose(1, 2), vt], dim=2)
+    mask = None  # every key visible to every query: a prefix without keys of the chunk's own
+    if not (prefix_len == kt.shape[2] and window is None):
+        mask = _block_mask(q.shape[1], kt.shape[2], prefix_len, window, str(q.device))
     if q.is_cuda:
         flex = _compiled_flex()
     else:
