@@ -278,8 +278,9 @@ class _Layers:
 
 # ---- stage 1 ------------------------------------------------------------------------------
 def _call(model, ids, embeds, start, end, states):
-    if ids is not None:
-        return model(input_ids=ids[:, start:end], state=states)
+    if ids is not None:  # checked once by seco_step: no range check (a device sync) per chunk
+        with _unwrap(model).ids_checked():
+            return model(input_ids=ids[:, start:end], state=states)
     return model(inputs_embeds=embeds[:, start:end], state=states)
 
 
@@ -343,6 +344,8 @@ def seco_step(
     check_options(chunk_size, spaco_budget, block_size)
     inner = _unwrap(model)
     ids, embeds, targets = _inputs(batch)
+    if ids is not None:
+        inner.check_ids(ids)  # once for the whole sequence (the chunk calls skip it)
     batch_size, length = targets.shape
     bounds = _chunks(length, chunk_size)
     k = len(bounds)
@@ -519,6 +522,8 @@ def check_chunked_forward(
     tokens = min(source.shape[1], tokens or 4 * chunk_size)
     source = source[:, :tokens]
     ids, embeds = (source, None) if ids is not None else (None, source)
+    if ids is not None:
+        inner.check_ids(ids)
     device = next(inner.parameters()).device
     dtype = _activation_dtype(inner, device)
     tolerance = CHECK_TOLERANCE.get(dtype, 1e-4) if tolerance is None else tolerance

@@ -11,6 +11,7 @@ feeds one token at a time with the state carried, and both are the same function
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,29 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self._ids_checked = False  # see ids_checked()
         self._init_weights()
+
+    def check_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``input_ids`` is an int tensor ``[B, T]`` of ids in
+        ``[0, vocab_size)``. The range check reads the ids' min and max back to the host."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"HybridLM: input_ids must be an int tensor [B, T], got "
+                             f"{tuple(input_ids.shape)} {input_ids.dtype}")
+        if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
+            raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), "
+                             f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
+
+    @contextlib.contextmanager
+    def ids_checked(self):
+        """Within: :meth:`forward` skips the range check of ``input_ids`` (two device-to-host
+        syncs per call), for a caller that ran :meth:`check_ids` on the whole batch and feeds it
+        in pieces (SeCO calls the model twice per chunk; each sync drains the GPU's queue)."""
+        previous, self._ids_checked = self._ids_checked, True
+        try:
+            yield self
+        finally:
+            self._ids_checked = previous
 
     def _init_weights(self) -> None:
         """Normal(0, init_std) for the embedding, the MLPs and an untied LM head; the mixers
@@ -108,12 +131,11 @@ class HybridLM(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("HybridLM: give exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
-            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"HybridLM: input_ids must be an int tensor [B, T], got "
-                                 f"{tuple(input_ids.shape)} {input_ids.dtype}")
-            if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
-                raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), "
-                                 f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
+            if self._ids_checked:
+                if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+                    self.check_ids(input_ids)  # raises: the cheap checks stay on
+            else:
+                self.check_ids(input_ids)
             inputs_embeds = self.embed(input_ids)
         if state is None:
             state = [None] * len(self.blocks)

@@ -112,6 +112,22 @@ def test_gradients_from_token_ids_and_aligned_targets():
     assert_close(take_grads(model), ref)
 
 
+def test_token_ids_are_checked_once_per_step_and_bad_ones_refused(monkeypatch):
+    """The model's per-call range check (two device syncs) runs once for the whole sequence, not
+    for each of the 2 x chunks model calls; out-of-range ids are refused before any work."""
+    model = hybrid(1)
+    ids, labels = data(1)
+    checks = []
+    real = HybridLM.check_ids
+    monkeypatch.setattr(HybridLM, "check_ids", lambda self, x: checks.append(x.shape) or real(self, x))
+    seco_step(model, {"input_ids": ids, "labels": labels}, chunk_size=4)
+    assert checks == [ids.shape]
+    bad = ids.clone()
+    bad[0, -1] = model.config.vocab_size
+    with pytest.raises(ValueError, match="token ids must be in"):
+        seco_step(model, {"input_ids": bad, "labels": labels}, chunk_size=4)
+
+
 def test_gradients_accumulate_into_existing_grads_like_backward():
     model = hybrid(3)
     ids, labels = data(3)

@@ -99,6 +99,23 @@ def test_bad_inputs_give_clear_errors():
         model(torch.tensor([[1, 2]]), state=[None])
 
 
+def test_ids_checked_skips_only_the_range_check_and_is_restored(monkeypatch):
+    """Inside ``ids_checked()`` the forward does not read the ids back (the range check: a device
+    sync per call); the shape / dtype check stays, and the range check returns after the block."""
+    model = HybridLM(tiny_config("gla"))
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.append(1) or t.item().__int__())
+    with model.ids_checked():
+        model(torch.tensor([[1, 2]]))
+        assert not reads
+        with pytest.raises(ValueError, match="int tensor"):
+            model(torch.zeros(1, 3))
+    model(torch.tensor([[1, 2]]))
+    assert reads
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model(torch.tensor([[1, 40]]))
+
+
 def test_yaml_exponent_without_dot_is_read_as_a_float():
     cfg = HybridConfig.from_yaml("norm_eps: 1e-5\ngla: {norm_eps: 1e-5}\n")
     assert cfg.norm_eps == 1e-5 and cfg.gla.norm_eps == 1e-5
