@@ -465,8 +465,10 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         except torch.OutOfMemoryError:
             info["check"] = {"ok": False, "tokens": check_tokens, "error": "out of memory"}
         _free(device)
-        # warm-up: every mode once at a short length (kernels compiled, AdamW states allocated)
-        warm = min(2 * chunk_size, min(lengths))
+        # warm-up: every mode once at a short length (kernels compiled, AdamW states allocated),
+        # long enough that SeCO meets every prefix-block length it will use (chunk, 2 chunks, ...,
+        # block_size): each new length compiles flex_attention, and did so inside a timed step
+        warm = min(max(2 * chunk_size, (block_size or chunk_size) + chunk_size), max(lengths))
         info["warmup_tokens"] = warm
         for mode in dict.fromkeys(m for _, m in todo):
             try:
