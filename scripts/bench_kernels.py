@@ -16,8 +16,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hybridzoo.kernels as K  # noqa: E402
 from hybridzoo.kernels.triton import launch  # noqa: E402
-from hybridzoo.utils import rel_err  # noqa: E402
+from hybridzoo.utils import rel_err, run_metadata  # noqa: E402
 
 DEV = "cuda"
 
@@ -173,19 +171,9 @@ def selected_cases(only: str | None) -> list[tuple]:
 
 def results_header(bandwidth: float) -> dict:
     """The JSON's fields before ``rows``: date, commit, device, versions, copy bandwidth, notes."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for module in ("triton", "fla", "mamba_ssm"):
-        try:
-            versions[module] = __import__(module).__version__
-        except Exception:
-            versions[module] = None
+    meta = run_metadata(("triton", "fla", "mamba_ssm"))
     return {
-        "date": str(datetime.date.today()), "commit": commit or "unknown", "device": torch.cuda.get_device_name(),
-        "versions": versions, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
+        **meta, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
         "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
                 "(its guard bypassed; its gradients may be wrong on this Triton)",
     }

@@ -18,9 +18,7 @@ import datetime
 import inspect
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,34 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule  # noqa: E402
-from hybridzoo.utils import rel_err  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-
-
-def worktree_dirty() -> bool | None:
-    """True when tracked or untracked files differ from HEAD (the commit then does not hold the code run)."""
-    try:
-        out = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return bool(out.stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from hybridzoo.utils import rel_err, run_metadata  # noqa: E402
 
 
 def time_fwd_bwd(fn, inputs, grad_out) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
@@ -126,14 +97,14 @@ def main() -> None:
     print(f"  rel err of outputs {out_err:.2e}; of gradients "
           + ", ".join(f"{n} {e:.1e}" for n, e in grad_errs.items()))
 
+    run = run_metadata(("transformers",))
     record = {
         "benchmark": "cpu-delta-rule",
         "date": today,
-        "commit": git_commit(),
-        "worktree_dirty": worktree_dirty(),
-        "device": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "commit": run["commit"],
+        "worktree_dirty": run["dirty"],
+        "device": {"cpu": run["device"], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": run["versions"],
         "op": "gated delta rule, forward + backward (grads to q, k, v, g, beta), float32",
         "shapes": {"B": B, "T": T, "H": H, "K": D, "V": D, "chunk_size": chunk_size},
         "runs": args.runs,

@@ -76,9 +76,7 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -103,6 +101,7 @@ from hybridzoo.training.seco_engine import (  # noqa: E402
     offload_bytes,
     seco_step,
 )
+from hybridzoo.utils import run_metadata  # noqa: E402
 
 MODES = ("seco", "seco_offload", "full")
 DEFAULT_RECIPES = "qwen35-0.8b,gated-deltanet-340m"
@@ -361,24 +360,13 @@ def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, str]:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def _meta(device: torch.device, args: dict) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except OSError:
-        commit = ""
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
+    run = run_metadata(("triton",))
     meta = {
-        "date": str(datetime.date.today()), "commit": commit or "unknown",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "date": run["date"], "commit": run["commit"], "dirty": run["dirty"],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else run["device"],
         "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
         "host_ram_bytes": host_ram_bytes(),
-        "versions": versions,
+        "versions": run["versions"],
         "settings": {
             **args,
             "weights": "float32", "batch_size": 1, "data": "random tokens",

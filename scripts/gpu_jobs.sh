@@ -26,6 +26,8 @@
 # build; put them in .gpu_in/ (carried) and the next call reuses them.
 # LANE_GPUS maps lanes to GPUs (default lane i on GPU i; "0 1 0 1": two lanes per GPU; small
 # MQAR models leave a GPU mostly idle). Logs that would collide carry the GPU and lane number.
+# HYBRIDZOO_COMMIT: the commit every results file records (the device's copy of the checkout can
+# carry stale git metadata; pass the id from `git rev-parse HEAD` here).
 # mamba_ssm is built (CPU, in the background) when a job names mamba, selective or conv; those
 # jobs wait for it. DEADLINE_S (default 560) bounds the whole call; JOB_S (default 300) each job.
 set -u

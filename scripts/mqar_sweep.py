@@ -36,7 +36,6 @@ import fnmatch
 import json
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -317,13 +316,6 @@ def plot_results(results: dict[str, Any], path: str | Path) -> Path:
 
 
 # ---- bookkeeping ---------------------------------------------------------------------------------------
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def device_name(device: str) -> str:
     import torch
 
@@ -339,11 +331,11 @@ def device_name(device: str) -> str:
 
 
 def metadata() -> dict[str, Any]:
-    import lightning
-    import torch
+    from hybridzoo.utils import run_metadata
 
-    return {"commit": _git("rev-parse", "HEAD") or "unknown", "dirty": bool(_git("status", "--porcelain")),
-            "torch": torch.__version__, "lightning": lightning.__version__, "python": platform.python_version(),
+    run = run_metadata(("lightning",))
+    return {"commit": run["commit"], "dirty": run["dirty"], "torch": run["versions"]["torch"],
+            "lightning": run["versions"]["lightning"], "python": run["versions"]["python"],
             "platform": platform.platform(), "argv": sys.argv[1:]}
 
 

@@ -136,3 +136,16 @@ def test_bf16_autocast_states_carry_and_keep_their_dtypes():
         second, state = model(ids[:, 7:], state)  # a carried state passes the checks
         full, _ = model(ids)
     assert rel_err(torch.cat([first, second], 1), full) < 1e-2
+
+
+def test_run_metadata_prefers_the_given_commit(monkeypatch):
+    """Benchmarks record ``HYBRIDZOO_COMMIT`` when set (a copied checkout's git metadata can be
+    stale), else the checkout's HEAD; versions of absent packages are None."""
+    from hybridzoo.utils import run_metadata
+
+    monkeypatch.setenv("HYBRIDZOO_COMMIT", "abc1234")
+    meta = run_metadata(("torch", "no_such_package_here"))
+    assert meta["commit"] == "abc1234" and meta["dirty"] is None
+    assert meta["versions"]["torch"] == torch.__version__ and meta["versions"]["no_such_package_here"] is None
+    monkeypatch.delenv("HYBRIDZOO_COMMIT")
+    assert run_metadata()["commit"] != "abc1234"
