@@ -213,6 +213,7 @@ def main() -> int:
                     row[f"{who}_error"] = f"{type(error).__name__}: {error}"[:300]
                 finally:
                     launch.AUTOTUNE = True
+                write_results(args.out, header, rows + [row])  # a timeout keeps the sides timed so far
             row["tuned_configs"] = {name: sorted({str(c) for c in tuner.cache.values()})
                                     for name, tuner in launch.TUNED.items() if tuner.cache}
             for tuner in launch.TUNED.values():
