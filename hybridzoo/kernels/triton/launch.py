@@ -26,7 +26,7 @@ WARPS = 8
 # (``HYBRIDZOO_AUTOTUNE=0``, or a probe / benchmark setting it) and under the interpreter they run
 # with the fixed settings their launcher gives (:func:`run`). Results do not depend on it.
 AUTOTUNE = os.environ.get("HYBRIDZOO_AUTOTUNE", "1") != "0"
-TUNED: dict = {}  # kernel name -> its autotuner (benchmarks report the configs they chose)
+TUNED: dict = {}  # "<module>.<kernel>" -> its autotuner (benchmarks report the configs they chose)
 
 
 def interpret() -> bool:
@@ -95,10 +95,10 @@ def autotuned(kernel, configs: list, key: list[str], prune=None, restore: tuple[
     plain kernel under the interpreter."""
     if interpret():
         return kernel
-    TUNED[kernel.__name__] = triton.autotune(
-        configs, key=key, restore_value=list(restore) or None,
-        prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
-    return TUNED[kernel.__name__]
+    name = f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}"  # e.g. conv._bwd_kernel
+    TUNED[name] = triton.autotune(configs, key=key, restore_value=list(restore) or None,
+                                  prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
+    return TUNED[name]
 
 
 def run(kernel, grid, *args, fixed: dict, **consts):

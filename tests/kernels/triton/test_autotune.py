@@ -68,6 +68,26 @@ def test_run_uses_the_fixed_settings_without_autotuning(monkeypatch):
     assert torch.equal(out, torch.full((100,), 3.0))
 
 
+def test_compiled_mode_registers_one_autotuner_per_kernel():
+    """Imported as on a GPU machine (no interpreter), every tuned kernel gets its own autotuner
+    under ``<module>.<kernel>`` (the conv and the selective scan both have a ``_fwd_kernel``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib; from hybridzoo.kernels.triton import launch\n"
+            "for m in ('conv', 'linear_attn_bwd', 'delta_rule_bwd', 'selective_scan'):\n"
+            "    importlib.import_module('hybridzoo.kernels.triton.' + m)\n"
+            "print(' '.join(sorted(launch.TUNED)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == sorted(
+        ["conv._fwd_kernel", "conv._bwd_kernel", "delta_rule._state_fwd_kernel", "delta_rule_bwd._state_bwd_kernel",
+         "linear_attn._fwd_h_kernel", "linear_attn._fwd_o_kernel", "linear_attn_bwd._bwd_dh_kernel",
+         "linear_attn_bwd._bwd_dqk_kernel", "linear_attn_bwd._bwd_dv_kernel", "selective_scan._fwd_kernel",
+         "selective_scan._bwd_kernel"])
+
+
 TUNED = {name: getattr(mod, name) for mod, names in ((la, ("_fwd_h", "_fwd_o")),
                                                      (la_bwd, ("_bwd_dh", "_bwd_dv", "_bwd_dqk")))
          for name in names}
