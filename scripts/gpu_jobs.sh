@@ -40,6 +40,7 @@ cp .gpu_in/seco_*.json "$RES/" 2>/dev/null  # SeCO results to resume (seco= jobs
 # call (.gpu_in/triton_cache.tar.gz: what $OUT/triton_cache.tar.gz brought back) is found again:
 # fla's chunk_gla autotuning alone outlasted 240-280 s job caps three times.
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
+export TRITON_CACHE_AUTOTUNING=1  # every autotuner's choices go to that cache too (fla's already did)
 [ -f .gpu_in/triton_cache.tar.gz ] && tar xzf .gpu_in/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
 # a job needs mamba_ssm / causal_conv1d when it names one of their ops or the adapters' tests
 needs_mamba() { echo "$1" | grep -Eq "mamba|selective|conv|backends"; }
