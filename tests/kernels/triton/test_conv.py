@@ -144,6 +144,8 @@ def test_gpu_every_launch_setting(monkeypatch, autotune):
     for fwd_configs, bwd_configs in (pairs if not autotune else [(conv.FWD_CONFIGS, conv.BWD_CONFIGS)]):
         monkeypatch.setattr(conv._fwd, "configs", fwd_configs)
         monkeypatch.setattr(conv._bwd, "configs", bwd_configs)
+        for kernel in (conv._fwd, conv._bwd):
+            monkeypatch.setattr(kernel, "cache_results", False)  # run the trials, not a cached choice
         conv._fwd.cache.clear(), conv._bwd.cache.clear()
         x = _inputs(batch=2, length=1000, dm=300, width=4, seed=10, dtype=torch.bfloat16, device="cuda")
         tri_in, ref_in = _leaves(x), _leaves(x, F64)

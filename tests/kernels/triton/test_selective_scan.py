@@ -249,6 +249,8 @@ def test_gpu_every_launch_setting(monkeypatch, autotune):
     for fwd_configs, bwd_configs in (pairs if not autotune else [(scan.FWD_CONFIGS, scan.BWD_CONFIGS)]):
         monkeypatch.setattr(scan._fwd, "configs", fwd_configs)
         monkeypatch.setattr(scan._bwd, "configs", bwd_configs)
+        for kernel in (scan._fwd, scan._bwd):
+            monkeypatch.setattr(kernel, "cache_results", False)  # run the trials, not a cached choice
         scan._fwd.cache.clear(), scan._bwd.cache.clear()
         x = _inputs(batch=2, length=999, dm=96, n=16, groups=2, seed=15, dtype=torch.bfloat16, device="cuda",
                     mamba_init=True)
