@@ -20,6 +20,7 @@ import triton.language as tl  # noqa: E402
 from hybridzoo.kernels.triton import launch  # noqa: E402
 from hybridzoo.kernels.triton import linear_attn as la  # noqa: E402
 from hybridzoo.kernels.triton import linear_attn_bwd as la_bwd  # noqa: E402
+from tests.kernels.triton.tuning import tuning_rounds  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -68,6 +69,22 @@ def test_run_uses_the_fixed_settings_without_autotuning(monkeypatch):
     assert torch.equal(out, torch.full((100,), 3.0))
 
 
+def test_tuning_rounds_hold_each_kernel_to_each_config(monkeypatch):
+    """The GPU tests' helper: round i runs the i-th config (one config: no benchmarking, so the
+    interpreter runs it here); the candidates come back afterwards."""
+    configs = launch.warp_configs({"BLOCK": (32, 64)})
+    tuned = triton.autotune(configs, key=["n"])(_fill_kernel)
+    seen = []
+    with pytest.MonkeyPatch.context() as patch:
+        for i in tuning_rounds(patch, {tuned: configs[:2]}):
+            out = torch.zeros(100)
+            used = launch.run(tuned, lambda args: (triton.cdiv(100, args["BLOCK"]),), out, 100, VALUE=float(i),
+                              fixed=dict(BLOCK=16, num_warps=4))
+            assert torch.equal(out, torch.full((100,), float(i)))
+            seen.append((used["BLOCK"], used["num_warps"]))
+    assert seen == [(32, 4), (32, 8)] and tuned.configs == configs and not tuned.cache
+
+
 def test_compiled_mode_registers_one_autotuner_per_kernel():
     """Imported as on a GPU machine (no interpreter), every tuned kernel gets its own autotuner
     under ``<module>.<kernel>`` (the conv and the selective scan both have a ``_fwd_kernel``)."""
@@ -101,20 +118,13 @@ def test_gpu_every_tuned_config_matches_reference(decay, monkeypatch):
     float32 reference."""
     from tests.kernels.triton.test_linear_attn import check
 
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     shape = dict(C=64, K=128, BK=64, BV=64, V=128)
-    allowed = {name: k.early_config_prune(k.configs, {}, **shape)
-               for name, k in TUNED.items()}
-    for i in range(max(map(len, allowed.values()))):
-        for name, kernel in TUNED.items():
-            monkeypatch.setattr(kernel, "configs", [allowed[name][i % len(allowed[name])]])
-            kernel.cache.clear()
+    allowed = {k: k.early_config_prune(k.configs, {}, **shape) for k in TUNED.values()}
+    for i in tuning_rounds(monkeypatch, allowed):
         check(decay, seed=30 + i, B=1, T=1000, Hk=1, H=2, K=128, V=128, chunk_size=64,
               log_scale=0.1, scale=128 ** -0.5, dtype=torch.bfloat16, ref_dtype=torch.float32,
               device="cuda", tol=1e-2)
-    for kernel in TUNED.values():
-        kernel.cache.clear()
 
 
 @pytest.mark.gpu
@@ -125,12 +135,9 @@ def test_gpu_autotuned_op_matches_reference(decay, monkeypatch):
     chosen ones run; fwd + bwd vs the float32 reference, at two shapes."""
     from tests.kernels.triton.test_linear_attn import check
 
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
-    for kernel in TUNED.values():
-        kernel.cache.clear()
-        monkeypatch.setattr(kernel, "cache_results", False)  # run the trials, not a cached choice
-    check(decay, seed=40, B=2, T=4096, Hk=1, H=4, K=128, V=128, chunk_size=64, log_scale=0.1,
-          scale=128 ** -0.5, dtype=torch.bfloat16, ref_dtype=torch.float32, device="cuda", tol=1e-2)
-    check(decay, seed=41, B=1, T=999, Hk=2, H=4, K=64, V=32, chunk_size=64, log_scale=0.1,
-          scale=1.0, dtype=torch.bfloat16, ref_dtype=torch.float32, device="cuda", tol=1e-2)
+    for _ in tuning_rounds(monkeypatch, {k: k.configs for k in TUNED.values()}, each=False):
+        check(decay, seed=40, B=2, T=4096, Hk=1, H=4, K=128, V=128, chunk_size=64, log_scale=0.1,
+              scale=128 ** -0.5, dtype=torch.bfloat16, ref_dtype=torch.float32, device="cuda", tol=1e-2)
+        check(decay, seed=41, B=1, T=999, Hk=2, H=4, K=64, V=32, chunk_size=64, log_scale=0.1,
+              scale=1.0, dtype=torch.bfloat16, ref_dtype=torch.float32, device="cuda", tol=1e-2)

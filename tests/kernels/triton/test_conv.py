@@ -17,6 +17,7 @@ from hybridzoo.kernels.reference import causal_conv1d_loop
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.conv import causal_conv1d
 from hybridzoo.utils import rel_err
+from tests.kernels.triton.tuning import tuning_rounds
 
 F64 = torch.float64
 
@@ -138,26 +139,18 @@ def test_gpu_every_launch_setting(monkeypatch, autotune):
     import hybridzoo.kernels.triton.conv as conv
 
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
-    pairs = [([conv.FWD_CONFIGS[i % len(conv.FWD_CONFIGS)]], [conv.BWD_CONFIGS[i % len(conv.BWD_CONFIGS)]])
-             for i in range(max(len(conv.FWD_CONFIGS), len(conv.BWD_CONFIGS)))]
-    for fwd_configs, bwd_configs in (pairs if not autotune else [(conv.FWD_CONFIGS, conv.BWD_CONFIGS)]):
-        monkeypatch.setattr(conv._fwd, "configs", fwd_configs)
-        monkeypatch.setattr(conv._bwd, "configs", bwd_configs)
-        for kernel in (conv._fwd, conv._bwd):
-            monkeypatch.setattr(kernel, "cache_results", False)  # run the trials, not a cached choice
-        conv._fwd.cache.clear(), conv._bwd.cache.clear()
+    configs_of = {conv._fwd: conv.FWD_CONFIGS, conv._bwd: conv.BWD_CONFIGS}
+    for i in tuning_rounds(monkeypatch, configs_of, each=not autotune):
         x = _inputs(batch=2, length=1000, dm=300, width=4, seed=10, dtype=torch.bfloat16, device="cuda")
         tri_in, ref_in = _leaves(x), _leaves(x, F64)
         y, s = _run(causal_conv1d, tri_in, "silu")
         y_ref, s_ref = _run(reference_conv, ref_in, "silu")
-        assert rel_err(y, y_ref) <= 1e-2, fwd_configs
+        assert rel_err(y, y_ref) <= 1e-2, i
         gy = torch.randn_like(y_ref)
         (y.to(F64) * gy).sum().backward()
         (y_ref * gy).sum().backward()
         for name, leaf in tri_in.items():
-            assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, bwd_configs)
-    conv._fwd.cache.clear(), conv._bwd.cache.clear()
+            assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, i)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from hybridzoo.kernels.reference import selective_scan_loop
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.selective_scan import selective_scan
 from hybridzoo.utils import rel_err
+from tests.kernels.triton.tuning import tuning_rounds
 
 F64 = torch.float64
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
@@ -242,16 +243,8 @@ def test_gpu_every_launch_setting(monkeypatch, autotune):
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     _poison(monkeypatch)
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
-    n_pairs = max(len(scan.FWD_CONFIGS), len(scan.BWD_CONFIGS))
-    pairs = [([scan.FWD_CONFIGS[i % len(scan.FWD_CONFIGS)]], [scan.BWD_CONFIGS[i % len(scan.BWD_CONFIGS)]])
-             for i in range(n_pairs)]
-    for fwd_configs, bwd_configs in (pairs if not autotune else [(scan.FWD_CONFIGS, scan.BWD_CONFIGS)]):
-        monkeypatch.setattr(scan._fwd, "configs", fwd_configs)
-        monkeypatch.setattr(scan._bwd, "configs", bwd_configs)
-        for kernel in (scan._fwd, scan._bwd):
-            monkeypatch.setattr(kernel, "cache_results", False)  # run the trials, not a cached choice
-        scan._fwd.cache.clear(), scan._bwd.cache.clear()
+    configs_of = {scan._fwd: scan.FWD_CONFIGS, scan._bwd: scan.BWD_CONFIGS}
+    for i in tuning_rounds(monkeypatch, configs_of, each=not autotune):
         x = _inputs(batch=2, length=999, dm=96, n=16, groups=2, seed=15, dtype=torch.bfloat16, device="cuda",
                     mamba_init=True)
         x["A"] = x["A"].float()
@@ -259,13 +252,12 @@ def test_gpu_every_launch_setting(monkeypatch, autotune):
         tri_in, ref_in = _leaves(x), _leaves(x, torch.float32)
         y, h = _run(selective_scan, tri_in)
         y_ref, h_ref = _run(reference_scan, ref_in, chunk_size=128)
-        assert rel_err(y, y_ref) <= 1e-2 and rel_err(h, h_ref) <= 1e-2, fwd_configs
+        assert rel_err(y, y_ref) <= 1e-2 and rel_err(h, h_ref) <= 1e-2, i
         gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
         ((y.float() * gy).sum() + (h * gh).sum()).backward()
         ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
         for name in NAMES:
-            assert rel_err(tri_in[name].grad, ref_in[name].grad) <= 1e-2, (name, bwd_configs)
-    scan._fwd.cache.clear(), scan._bwd.cache.clear()
+            assert rel_err(tri_in[name].grad, ref_in[name].grad) <= 1e-2, (name, i)
 
 
 @pytest.mark.gpu
