@@ -72,13 +72,13 @@ class HybridLM(nn.Module):
         self._ids_checked = False  # see ids_checked()
         self._init_weights()
 
-    def check_ids(self, input_ids: torch.Tensor) -> None:
+    def check_ids(self, input_ids: torch.Tensor, *, values: bool = True) -> None:
         """Raise ``ValueError`` unless ``input_ids`` is an int tensor ``[B, T]`` of ids in
-        ``[0, vocab_size)``. The range check reads the ids' min and max back to the host."""
+        ``[0, vocab_size)``. The range check (``values``) reads the ids' min and max back to the host."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"HybridLM: input_ids must be an int tensor [B, T], got "
                              f"{tuple(input_ids.shape)} {input_ids.dtype}")
-        if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
+        if values and input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
             raise ValueError(f"HybridLM: token ids must be in [0, {self.config.vocab_size}), "
                              f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
 
@@ -131,11 +131,7 @@ class HybridLM(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("HybridLM: give exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
-            if self._ids_checked:
-                if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-                    self.check_ids(input_ids)  # raises: the cheap checks stay on
-            else:
-                self.check_ids(input_ids)
+            self.check_ids(input_ids, values=not self._ids_checked)
             inputs_embeds = self.embed(input_ids)
         if state is None:
             state = [None] * len(self.blocks)
