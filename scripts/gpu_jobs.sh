@@ -15,8 +15,9 @@
 #                                autotuning compiles per test shape; test_autotune.py turns it on)
 #   bench=<rows>                 scripts/bench_kernels.py --only <rows> (comma separated), --append
 #   kprof=<rows>                 scripts/profile_kernels.py --only <rows>: GPU time per kernel
-#   seco=<recipe>@<lengths>[@<modes>]   scripts/bench_seco.py $SECO_ARGS --resume into
-#                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued)
+#   seco=<recipe>@<lengths>[@<modes>[@<args>]]   scripts/bench_seco.py $SECO_ARGS <args> --resume into
+#                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued);
+#                                <args>: this job's own options, commas for spaces (--chunk-size=16384)
 #   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
 #                                recipes (comma separated)
 #   profile=<recipe>@<tokens>    scripts/profile_step.py
@@ -52,6 +53,9 @@ fi
 
 left() { echo $(( DEADLINE_S - ($(date +%s) - START) - 15 )); }
 limit() { local l; l=$(left); [ "$l" -lt "$JOB_S" ] && echo "$l" || echo "$JOB_S"; }
+# TEST_WORKERS=<n>: pytest-xdist workers for tests= jobs (.whl/ carries the wheels; tests compile
+# their kernels in parallel, which is most of a GPU test's time); serial if xdist is missing
+workers() { [ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS"; }
 wait_mamba() { while [ ! -e "$RES/.mamba_done" ]; do sleep 2; done; }
 
 run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
@@ -64,13 +68,13 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   case $name in
     tests) needs_mamba "$arg" && wait_mamba
            HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
-             -o faulthandler_timeout=60 --durations=0 ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
+             -o faulthandler_timeout=60 --durations=0 $(workers) ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
     bench) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
-    seco) IFS=@ read -r recipe lengths modes <<< "$arg"
+    seco) IFS=@ read -r recipe lengths modes extra <<< "$arg"
           timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
-            ${modes:+--modes $modes} ${SECO_ARGS:-} --resume --out "$RES/seco_$recipe.json" \
+            ${modes:+--modes $modes} ${SECO_ARGS:-} ${extra:+${extra//,/ }} --resume --out "$RES/seco_$recipe.json" \
             >> "$RES/seco_$recipe.log" 2>&1 ;;
     mqar) IFS=@ read -r recipes setting <<< "$arg"
           timeout "$lim" python3 scripts/mqar_sweep.py --setting "${setting:-gpu}" --device cuda --recipes "$recipes" ${MQAR_ARGS:-} \
