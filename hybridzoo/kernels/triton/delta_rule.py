@@ -13,7 +13,8 @@ Decays are in-chunk sums of ``log_a`` built with additions only (``Γ`` from a m
 sum, as :func:`~hybridzoo.kernels.reference.segsum.segsum`), so ``log_a = -inf`` gives 0, never
 NaN. States are float32; matrix products accumulate in float32, on operands rounded to the
 inputs' dtype (bf16/fp16 tensor cores for 16-bit inputs, as fla; 3xTF32 for float32 inputs), except
-the triangular inverse, always 3xTF32. The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W,
+the triangular inverse, always float32-accurate (float32 FMAs on its 16 x 16 diagonal blocks,
+3xTF32 dots to merge them). The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W,
 U0`` and the chunk states from the saved inputs instead of storing them.
 
 ``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
@@ -93,29 +94,42 @@ def _unit_lower_inverse(a, C: tl.constexpr):
     """``(I + a)⁻¹`` for a strictly lower ``[C, C]`` float32 tile, by block forward substitution.
 
     ``a = a_d + a_o``: ``a_d`` its 16 x 16 diagonal blocks, ``a_o`` the blocks below them. First
-    ``D⁻¹ = (I + a_d)⁻¹`` by forward substitution, row ``i`` of every diagonal block at once
-    (``N = D⁻¹ − I``: ``N_i = −a_i − a_i N``, 15 steps, each a tensor-core dot of masked rows);
+    ``D⁻¹ = (I + a_d)⁻¹`` by forward substitution on the diagonal blocks alone, as a batch
+    ``[C/16, 16, 16]`` (the tile viewed as ``[C/16, 16, C/16, 16]``, row-major, so element
+    ``(b1·16 + i, b2·16 + j)`` is ``[b1, i, b2, j]``): ``N = D⁻¹ − I``, ``N_i = −a_i − a_i N``
+    for row ``i`` of every block at once, 15 steps of ``C·16`` float32 FMAs (broadcast and sum);
     then ``(I + a)⁻¹ = (I + X)⁻¹ D⁻¹`` with ``X = D⁻¹ a_o`` strictly block-lower, so ``X⁴ = 0``
-    for up to 4 blocks and ``(I + X)⁻¹ = (I − X)(I + X²)``: four more dots (fla's solve_tril
-    merges 16-blocks the same way). A 63-step row-by-row substitution on the whole tile was 4.1 ms
-    of a 19.5 ms delta-rule forward+backward on an H200 (B2 T16384 H16 D128). Dots run in 3xTF32
-    (float32 accuracy) whatever the inputs' dtype: the inverse feeds every output.
+    for up to 4 blocks and ``(I + X)⁻¹ = I − X + X² − X³``, applied by Horner's rule (no ``X²``
+    tile held: fewer registers): four dots in 3xTF32 (float32
+    accuracy whatever the inputs' dtype: the inverse feeds every output; fla's solve_tril merges
+    16-blocks the same way). A 63-step row-by-row substitution on the whole tile was 4.1 ms of a
+    19.5 ms delta-rule forward+backward on an H200 (B2 T16384 H16 D128); the next version ran the
+    15 block steps as full ``[C, C] x [C, C]`` 3xTF32 dots of masked rows (16x the diagonal
+    blocks' work at C = 64, 3 MMAs each) and _wy_fwd_kernel took 5.1 ms of an 18.4 ms
+    forward+backward there, hence the batched substitution.
     """
     BLK: tl.constexpr = INV_BLOCK if C > INV_BLOCK else C
-    r = tl.arange(0, C)
-    same = (r[:, None] // BLK) == (r[None, :] // BLK)
-    a_d = tl.where(same, a, 0.0)
-    n = tl.zeros([C, C], dtype=tl.float32)
+    NB: tl.constexpr = C // BLK
+    blk, i_b = tl.arange(0, NB), tl.arange(0, BLK)
+    diag = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]: b1 == b2
+    # the diagonal blocks [NB, BLK, BLK]: a_d[b, i, j] = a[b·BLK + i, b·BLK + j]
+    a_d = tl.sum(tl.where(diag, tl.reshape(a, [NB, BLK, NB, BLK]), 0.0), axis=2)
+    row = i_b[None, :, None]  # [1, BLK, 1]: row index inside a block
+    n = tl.zeros([NB, BLK, BLK], dtype=tl.float32)
     for i in tl.static_range(1, BLK):
-        rows = ((r % BLK) == i)[:, None]
-        a_i = tl.where(rows, a_d, 0.0)
-        n = tl.where(rows, -a_i - tl.dot(a_i, n, input_precision="tf32x3"), n)
-    d_inv = n + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        a_i = tl.sum(tl.where(row == i, a_d, 0.0), axis=1)  # [NB, BLK]: row i of each block
+        n_i = -a_i - tl.sum(a_i[:, :, None] * n, axis=1)  # rows >= i of n are still 0
+        n = tl.where(row == i, n_i[:, None, :], n)
+    n = tl.where(row == i_b[None, None, :], 1.0, n)  # D⁻¹ blocks (N's diagonal is 0)
+    d_inv = tl.reshape(tl.where(diag, n[:, :, None, :], 0.0), [C, C])  # block-diagonal [C, C]
     if C > BLK:
+        r = tl.arange(0, C)
+        same = (r[:, None] // BLK) == (r[None, :] // BLK)
         x = tl.dot(d_inv, tl.where(same, 0.0, a), input_precision="tf32x3")
-        x2 = tl.dot(x, x, input_precision="tf32x3")
-        d_inv = d_inv - tl.dot(x, d_inv, input_precision="tf32x3")        # (I - X) D^-1
-        d_inv = d_inv + tl.dot(x2, d_inv, input_precision="tf32x3")       # (I + X^2)(I - X) D^-1
+        # (I + X)⁻¹ D⁻¹ = (I − X + X² − X³) D⁻¹ = D⁻¹ − X (D⁻¹ − X (D⁻¹ − X D⁻¹)) (Horner: no X² held)
+        t = d_inv - tl.dot(x, d_inv, input_precision="tf32x3")
+        t = d_inv - tl.dot(x, t, input_precision="tf32x3")
+        d_inv = d_inv - tl.dot(x, t, input_precision="tf32x3")
     return d_inv
 
 
@@ -125,25 +139,37 @@ def _unit_lower_inverse(a, C: tl.constexpr):
 @triton.jit
 def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``."""
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``.
+
+    Keys are visited in blocks of ``BKW`` columns (twice: A needs every key before Tm exists), so
+    no whole ``[C, K]`` key tile is live across the inverse. With it (and ``diag(β) K``) held,
+    this kernel spilled 1.1-1.5 KB per thread at K = 128, bf16, on sm_90; keys in 64-wide blocks
+    and the Horner merge of the inverse bring that to 136 B of stores (``resources()`` of
+    ``scripts/kernel_resources.py``)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
-    offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
+    offs_c = tl.arange(0, C)
 
-    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
 
-    k_beta = key * beta[:, None]
-    a = _dot(k_beta, tl.trans(key), DT, PREC) * gamma_mat
-    a = tl.where(offs_c[:, None] > offs_c[None, :], a, 0.0)
+    a = tl.zeros([C, C], dtype=tl.float32)  # diag(β) K Kᵀ
+    for i_k in range(0, tl.cdiv(K, BKW)):
+        offs_k = i_k * BKW + tl.arange(0, BKW)
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        a += _dot(key * beta[:, None], tl.trans(key), DT, PREC)
+    a = tl.where(offs_c[:, None] > offs_c[None, :], a * gamma_mat, 0.0)
     tm = _unit_lower_inverse(a, C)
     _store_rows(tm_ptr, rows, C, offs_c, mask_t, C, tm)
-    w = _dot(tm, k_beta * gamma_in[:, None], DT, PREC)
-    _store_rows(w_ptr, rows, K, offs_k, mask_t, K, w)
+    for i_k in range(0, tl.cdiv(K, BKW)):
+        offs_k = i_k * BKW + tl.arange(0, BKW)
+        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+        w = _dot(tm, key * beta[:, None] * gamma_in[:, None], DT, PREC)
+        _store_rows(w_ptr, rows, K, offs_k, mask_t, K, w)
     for i_v in range(0, tl.cdiv(V, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
@@ -243,7 +269,7 @@ class _Config:
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
         self.stages = 3 if self.BK <= 64 else 1
         self.device = q.device
-        # Key block of the WY backward (several blocks are tested under the interpreter).
+        # Key block of the WY kernels (several blocks are tested under the interpreter).
         self.bkw = 16 if launch.interpret() else min(self.BK, 64)
         # the sequential kernels' chunk count as a constant under the interpreter, else 0
         self.n_interp = launch.loop_count(self.N)
@@ -268,7 +294,7 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
     """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, all float32."""
     B, T, H, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.C, cfg.N
     tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K), cfg.buf(B, T, H, V)
-    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.consts())
+    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, BKW=cfg.bkw, **cfg.consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
     grid, consts, fixed = cfg.state_launch()
