@@ -169,6 +169,14 @@ def test_half_precision_inputs(decay, log_scale):
           log_scale=log_scale, scale=32 ** -0.5, dtype=torch.float16, tol=1e-3)
 
 
+def test_per_key_ragged_chunks_every_sub_chunk():
+    """Per-key decay, chunk 64 = 4 sub-chunks of 16, T=180: two full chunks and a ragged third
+    whose sub-chunks 0-2 are full and 3 holds 4 tokens; B=2 (batch offsets), K=24 (a masked key
+    tile), resets at sub-chunk starts. Every (chunk, sub-chunk) program of _intra_A_kernel and
+    _bwd_intra_dqk_kernel (one per sub-chunk) runs, with ragged rows."""
+    check("per_key", seed=14, B=2, T=180, K=24, V=16, chunk_size=64, resets=(16, 144, 176))
+
+
 def test_head_dims_over_one_tile():
     """K=80, V=40: keys span two 64-wide tiles (the GPU tiling), the second one ragged."""
     check("per_key", seed=13, T=24, K=80, V=40, chunk_size=16)
