@@ -197,3 +197,16 @@ def test_gpu_long_sequence(dtype, head_dim):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     errors = check(inputs, chunk_size=64, tol=tol)
     print(f"\n{dtype} D={head_dim}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_small_heads(dtype):
+    """The head sizes of the ``mqar-gdn-s`` recipe (K 16, V 32, Hk = H = 2) at its batch and length
+    (B 64, T 256), chunk 64. Its bf16 model test hit an illegal memory access in the backward on an
+    H200 at commit 8284662 (the first GPU run with the batched inverse and key-block loops of
+    _wy_fwd_kernel); the op's own tests had only covered heads of 64 and 128. This runs the op
+    alone at those sizes (vs the float64 reference; fp32 <= 1e-4, bf16 <= 1e-2)."""
+    inputs = make_inputs(B=64, T=256, Hk=2, H=2, K=16, V=32, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    check(inputs, chunk_size=64, tol=tol)
