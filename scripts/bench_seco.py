@@ -363,7 +363,7 @@ def _meta(device: torch.device, args: dict) -> dict:
     run = run_metadata(("triton",))
     meta = {
         "date": run["date"], "commit": run["commit"], "dirty": run["dirty"],
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else run["device"],
+        "device": run["device"],
         "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
         "host_ram_bytes": host_ram_bytes(),
         "versions": run["versions"],
