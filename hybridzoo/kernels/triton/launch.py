@@ -34,6 +34,56 @@ def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _interpreter_bf16() -> None:
+    """Make bfloat16 under Triton's interpreter compute what a GPU computes.
+
+    The interpreter (Triton 3.6) keeps bfloat16 tensors as ``uint16`` and
+
+    * its ``create_dot`` converts only 8-bit float operands, so a bfloat16 ``tl.dot`` multiplies
+      raw bit patterns (values ~1e10; triton-lang/triton#11584, "not supported yet"): the
+      operands are widened to float32 first, which is exact and what tensor cores compute
+      (bf16 products exact, float32 sums);
+    * its float32 -> bfloat16 cast truncates toward zero, where compiled kernels round to
+      nearest even: a bias that grows along a recurrence (the delta rule's bf16 errors came out
+      ~27x its fp16 errors instead of ~8x). The cast rounds to nearest even here too.
+
+    With both, every kernel's bfloat16 path runs, and is tested, on the CPU as on a GPU. Applied
+    once when the interpreter is on; compiled kernels are untouched."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "widens_bf16", False):
+        return
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def widen(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        bits = np.ascontiguousarray(x.data).view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_bf16(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return cast_impl(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest even
+        nan = np.isnan(src.data)
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # NaN stays a (quiet) NaN
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
+    create_dot_bf16.widens_bf16 = True
+    builder.create_dot, builder.cast_impl = create_dot_bf16, cast_bf16
+
+
+if interpret():
+    _interpreter_bf16()
+
+
 def loop_count(n: int) -> int:
     """A sequential loop's trip count as a constexpr under the interpreter (which cannot loop
     over a runtime int with numpy 2), 0 (= use the runtime argument) when compiled."""

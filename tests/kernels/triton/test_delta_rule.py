@@ -122,12 +122,13 @@ def test_odd_dims_several_value_blocks_and_scale():
     check(make_inputs(B=1, T=50, Hk=2, H=2, K=40, V=80), chunk_size=32, scale=0.3)
 
 
-def test_half_precision_inputs():
-    """fp16 inputs: dots on 16-bit operands (states, W, U rounded to the inputs' dtype at the
-    dots, as on a GPU in bf16) stay within half-precision error of the float64 reference.
-    (fp16, not bf16: Triton 3.6's interpreter computes bf16 dots wrongly; the GPU tests run bf16.)"""
-    errors = check(make_inputs(B=2, T=70, Hk=1, H=2, K=32, V=24, dtype=torch.float16), chunk_size=32,
-                   tol=5e-3, grad_tol=1e-2)
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 1e-2)], ids=["fp16", "bf16"])
+def test_half_precision_inputs(dtype, tol):
+    """16-bit inputs: dots on 16-bit operands (states, W, U rounded to the inputs' dtype at the
+    dots, as on a GPU) stay within half-precision error of the float64 reference (measured: fp16
+    ~4e-4, bf16 3.6e-3; bf16 runs on the CPU since launch widens the interpreter's bf16 dots)."""
+    errors = check(make_inputs(B=2, T=70, Hk=1, H=2, K=32, V=24, dtype=dtype), chunk_size=32,
+                   tol=tol, grad_tol=1e-2)
     assert max(errors.values()) > 1e-5  # the 16-bit path really ran (an fp32 path would be exact)
 
 
