@@ -53,6 +53,8 @@ fi
 
 left() { echo $(( DEADLINE_S - ($(date +%s) - START) - 15 )); }
 limit() { local l; l=$(left); [ "$l" -lt "$JOB_S" ] && echo "$l" || echo "$JOB_S"; }
+# TEST_LAUNCH_BLOCKING=1: tests= jobs run with CUDA_LAUNCH_BLOCKING=1, so an illegal memory access
+# is raised at the launch that made it (its traceback names the kernel), not at a later call.
 # TEST_WORKERS=<n>: pytest-xdist workers for tests= jobs (.whl/ carries the wheels; tests compile
 # their kernels in parallel, which is most of a GPU test's time); serial if xdist is missing
 workers() { [ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS"; }
@@ -67,7 +69,7 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
     tests) needs_mamba "$arg" && wait_mamba
-           HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
+           CUDA_LAUNCH_BLOCKING=${TEST_LAUNCH_BLOCKING:-0} HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
              -o faulthandler_timeout=60 --durations=0 $(workers) ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
     bench) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
