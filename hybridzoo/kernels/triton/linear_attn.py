@@ -148,7 +148,7 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
     m_t = t < T
     rows_t = (i_b * T + t).to(tl.int64)
     ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)  # last token before block i
-    a_ptr = A + (i_bh.to(tl.int64) * T + t[:, None]) * C + r[None, :]
+    a_rows = A + (i_bh.to(tl.int64) * T + t[:, None]) * C  # row block i of A: [BC, 1] pointers
     if i > 0:  # blocks j < i in one dot: row block i against the chunk's first i·BC keys
         cs = tl.arange(0, C)
         s = c0 + cs
@@ -166,8 +166,7 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
             q_g = (q_i * _exp_le0(b_i - b_r[None, :])).to(q_i.dtype)
             k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
             acc += tl.dot(q_g, tl.trans(k_g), input_precision=PREC)
-        tl.store(A + (i_bh.to(tl.int64) * T + t[:, None]) * C + cs[None, :], acc,
-                 mask=m_t[:, None] & (cs < i * BC)[None, :])
+        tl.store(a_rows + cs[None, :], acc, mask=m_t[:, None] & (cs < i * BC)[None, :])
     # the diagonal block, one row (query) at a time
     acc = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in tl.static_range((K + BK - 1) // BK):
@@ -183,7 +182,7 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
             prod = q_q[None, :] * k_i.to(tl.float32) * _exp_le0(b_q[None, :] - b_i)
             score = tl.sum(tl.where((r <= row)[:, None], prod, 0.0), axis=1)  # over s: [BC]
             acc += tl.where(r[:, None] == row, score[None, :], 0.0)
-    tl.store(a_ptr + i * BC, acc, mask=m_t[:, None])
+    tl.store(a_rows + i * BC + r[None, :], acc, mask=m_t[:, None])
 
 
 @triton.jit
