@@ -20,7 +20,8 @@
 #                                <args>: this job's own options, commas for spaces (--chunk-size=16384)
 #   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
 #                                recipes (comma separated)
-#   profile=<recipe>@<tokens>    scripts/profile_step.py
+#   profile=<recipe>@<tokens>[@<args>]   scripts/profile_step.py (<args>: commas for spaces, e.g.
+#                                @--seco=4096 profiles a SeCO step)
 #   script=<path>                bash <path> <output dir> (a one-off check carried in .gpu_in/)
 # Logs are named by lane and by the job's place in its lane (tests_<lane>_<job>.log).
 # $OUT/triton_cache.tar.gz brings Triton's caches back, $OUT/mamba_built.tar.gz a fresh mamba_ssm
@@ -86,9 +87,9 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
            timeout "$lim" python3 scripts/profile_kernels.py --only "$arg" --out "$RES/kprof_${LANE}_$JOB.txt" \
              > "$RES/kprof_${LANE}_$JOB.log" 2>&1 ;;
     script) timeout "$lim" bash "$arg" "$RES/script_${LANE}_$JOB" > "$RES/script_${LANE}_$JOB.log" 2>&1 ;;
-    profile) IFS=@ read -r recipe tokens <<< "$arg"
-             timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" \
-               --out "$RES/profile_$recipe.txt" > "$RES/profile_$recipe.log" 2>&1 ;;
+    profile) IFS=@ read -r recipe tokens extra <<< "$arg"
+             timeout "$lim" python3 scripts/profile_step.py "$recipe" --tokens "${tokens:-8192}" ${extra:+${extra//,/ }} \
+               --out "$RES/profile_${LANE}_${JOB}_$recipe.txt" > "$RES/profile_${LANE}_${JOB}_$recipe.log" 2>&1 ;;
     *) echo "unknown job $spec" >> "$RES/skipped.txt" ;;
   esac
   local rc=$?

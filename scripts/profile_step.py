@@ -3,7 +3,9 @@
     python3 scripts/profile_step.py gated-deltanet-340m --tokens 8192 --out $OUT/profile.txt
 
 fp32 weights, bf16 autocast, batch 1, random tokens, one warm-up step (compilation) then one
-profiled step; prints the step time and the table of the 30 kernels that took the most GPU time.
+timed and one profiled step; prints the step time and the table of the 30 kernels that took the
+most GPU time. ``--seco <chunk>``: the step is ``seco_step(model, batch, chunk)`` (SeCO, exact
+chunked training) instead of one forward + backward of the whole sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
+from hybridzoo.training.seco_engine import seco_step  # noqa: E402
 
 
 def main() -> int:
@@ -24,14 +27,18 @@ def main() -> int:
     parser.add_argument("recipe")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--seco", type=int, default=None, metavar="CHUNK",
+                        help="profile seco_step with this chunk size instead of full backprop")
     args = parser.parse_args()
     model = HybridLM.from_recipe(args.recipe).cuda()
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids)[2]
-        loss.backward()
+            if args.seco:
+                seco_step(model, {"input_ids": ids, "labels": ids}, args.seco)
+            else:
+                model(ids, labels=ids)[2].backward()
         model.zero_grad(set_to_none=True)
 
     step()
@@ -45,7 +52,8 @@ def main() -> int:
         step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    text = f"{args.recipe}: {args.tokens} tokens, step {wall * 1e3:.1f} ms ({args.tokens / wall:,.0f} tokens/s)\n{table}"
+    how = f"seco_step chunk {args.seco}" if args.seco else "full backprop"
+    text = f"{args.recipe}: {args.tokens} tokens, {how}, step {wall * 1e3:.1f} ms ({args.tokens / wall:,.0f} tokens/s)\n{table}"
     print(text)
     if args.out:
         Path(args.out).write_text(text)
