@@ -257,8 +257,12 @@ class _Config:
         self.G = self.H // self.Hk
         self.C = chunk_size if chunk_size in (16, 32, 64) else 64
         self.N = triton.cdiv(self.T, self.C)
-        self.BK = max(16, triton.next_power_of_2(self.K))
-        self.BV = min(max(16, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
+        # Tiles at least 32 wide on both head dims: with 16-wide key tiles (K = 16, the heads of
+        # mqar-gdn-s) Triton 3.6 on an H200 left rows of W unwritten in bf16 and fp16 (NaN in a
+        # poisoned buffer) and _bwd_wy_kernel made an illegal memory access; with 32-wide tiles
+        # (columns past K masked) both went away (scripts/probe_delta_small.py, session 6).
+        self.BK = max(32, triton.next_power_of_2(self.K))
+        self.BV = min(max(32, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
         self.NV = triton.cdiv(self.V, self.BV)
         # float32 inputs: 3xTF32 (exact "ieee" dots made ptxas spill 16-27 KB per thread here)
         self.prec = launch.dot_precision(q.dtype)
@@ -269,7 +273,8 @@ class _Config:
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
         self.stages = 3 if self.BK <= 64 else 1
         self.device = q.device
-        # Key block of the WY kernels (several blocks are tested under the interpreter).
+        # Key block of the WY kernels (several blocks are tested under the interpreter; on a GPU
+        # at least 32 wide, see BK).
         self.bkw = 16 if launch.interpret() else min(self.BK, 64)
         # the sequential kernels' chunk count as a constant under the interpreter, else 0
         self.n_interp = launch.loop_count(self.N)
