@@ -9,7 +9,7 @@
 # Jobs (space separated, run in order within a lane; a lane is one GPU; "<job>~<s>" gives one job
 # <s> seconds instead of JOB_S, within the deadline, e.g. bench=per-key~500):
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
-#                                test, stack dump at 60 s; waits for the mamba_ssm build only when a path
+#                                test (TEST_TIMEOUT), stack dump at 60 s; waits for the mamba_ssm build only when a path
 #                                names mamba or backends (otherwise its adapter test skips);
 #                                TEST_AUTOTUNE=0: kernels with their fixed launch settings (no
 #                                autotuning compiles per test shape; test_autotune.py turns it on)
@@ -70,7 +70,7 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
   case $name in
     tests) needs_mamba "$arg" && wait_mamba
-           CUDA_LAUNCH_BLOCKING=${TEST_LAUNCH_BLOCKING:-0} HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 150 \
+           CUDA_LAUNCH_BLOCKING=${TEST_LAUNCH_BLOCKING:-0} HYBRIDZOO_AUTOTUNE=${TEST_AUTOTUNE:-1} timeout "$lim" python3 -m pytest -v -m gpu -p no:cacheprovider --timeout ${TEST_TIMEOUT:-150} \
              -o faulthandler_timeout=60 --durations=0 $(workers) ${arg:+${arg//,/ }} > "$RES/tests_${LANE}_$JOB.log" 2>&1 ;;
     bench) needs_mamba "$arg" && wait_mamba
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
