@@ -250,14 +250,8 @@ class MemoryProbe:
 
 # ---- the steps ------------------------------------------------------------------------------------
 def _hidden_states(model: HybridLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """The final-norm hidden states ``[B, T, d_model]``: the model's own forward with the LM head
-    swapped for an identity for the call (tied or not, the head's weight stays where it is)."""
-    head = model.lm_head
-    model.lm_head = nn.Identity()
-    try:
-        hidden, _ = model(input_ids=input_ids)
-    finally:
-        model.lm_head = head
+    """The final-norm hidden states ``[B, T, d_model]`` (the LM head not applied)."""
+    hidden, _ = model(input_ids=input_ids, return_hidden=True)
     return hidden
 
 

@@ -5,7 +5,7 @@ In a recipe, like any callback::
     trainer:
       callbacks:
         - class_path: hybridzoo.training.seco.SeCO
-          init_args: {chunk_size: 4096, kv_offload: false, spaco_budget: null, check: true}
+          init_args: {chunk_size: 16384, kv_offload: false, spaco_budget: null, check: true}
 
 The engine is :func:`~hybridzoo.training.seco_engine.seco_step` (plain PyTorch, re-exported here);
 this callback only connects it to Lightning's *automatic* optimization, so gradient accumulation,
@@ -35,6 +35,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from hybridzoo.training.seco_engine import (
+    LOSS_SLICE,
     SeCOCheckError,
     SeCOError,
     SeCOOffloadError,
@@ -67,16 +68,19 @@ class SeCO(Callback):
         check_tokens: tokens the check runs on (default ``min(T, 4 · chunk_size)``).
         check_tolerance: relative error allowed by the check (default by dtype).
         block_size: prefix positions read per block (default ``chunk_size``).
+        loss_slice: tokens of logits computed at a time for a chunk's loss (default 4096; None =
+            the whole chunk): memory only, the gradient is the same.
         seed: seed of SpaCO's chunk draws (default: the global RNG).
     """
 
     def __init__(self, chunk_size: int = 4096, kv_offload: bool = False, spaco_budget: int | None = None,
                  check: bool = True, check_tokens: int | None = None, check_tolerance: float | None = None,
-                 block_size: int | None = None, seed: int | None = None):
-        check_options(chunk_size, spaco_budget, block_size, error=ValueError)
+                 block_size: int | None = None, seed: int | None = None,
+                 loss_slice: int | None = LOSS_SLICE):
+        check_options(chunk_size, spaco_budget, block_size, loss_slice=loss_slice, error=ValueError)
         self.chunk_size, self.kv_offload, self.spaco_budget = chunk_size, kv_offload, spaco_budget
         self.check, self.check_tokens, self.check_tolerance = check, check_tokens, check_tolerance
-        self.block_size = block_size
+        self.block_size, self.loss_slice = block_size, loss_slice
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.checked = False
         self.calls = 0
@@ -105,7 +109,7 @@ class SeCO(Callback):
             self.checked = True
         result = seco_step(model, batch, self.chunk_size, kv_offload=self.kv_offload,
                            spaco_budget=self.spaco_budget, generator=self.generator,
-                           defer_last=True, block_size=self.block_size)
+                           defer_last=True, block_size=self.block_size, loss_slice=self.loss_slice)
         self.calls += 1
         self.last_result = result
         return result.deferred

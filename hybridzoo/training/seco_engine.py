@@ -24,7 +24,15 @@ states and RNG state, then one ``torch.autograd.backward`` of
 
 The loss is the mean over the valid targets of the whole batch: labels are shifted over the whole
 sequence first, each chunk's summed cross-entropy is divided by the global count, so the chunk
-losses add up to the full loss. Only the loss of one chunk's logits exists at a time.
+losses add up to the full loss. The LM head runs on slices of ``loss_slice`` tokens of a chunk's
+final hidden states (``model(..., return_hidden=True)``): each slice's logits, loss and their
+gradients (w.r.t. the slice's hidden states and the head's weights, by one small
+``autograd.grad``) exist only while that slice is processed; the chunk's backward then starts
+from its hidden states. (A model whose ``forward`` has no ``return_hidden``, e.g. a subclass
+overriding it, returns its logits; then only the loss is sliced.) With a large vocabulary the
+logits are the biggest activation (qwen35-0.8b, vocab 248,320: ~3 MB per token in bf16 logits,
+their float32 loss input and gradients), so slicing makes large chunks affordable; nothing is
+recomputed.
 
 **SpaCO** (``spaco_budget=t``): an unbiased stochastic estimate. Each of the k chunks is
 recomputed independently with probability ``p = min(1, t / k)``; a recomputed chunk's loss *and*
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -71,6 +80,7 @@ from hybridzoo.utils import rel_err
 from hybridzoo.zoo.model import lm_loss, shift_labels
 
 OFFLOAD_RAM_FRACTION = 0.4  # at most this share of host RAM may be pinned for kv_offload
+LOSS_SLICE = 4096  # default tokens of logits computed at a time for a chunk's loss
 CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
@@ -128,9 +138,9 @@ def _activation_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
 
 # ---- options, inputs and loss -------------------------------------------------------------------
 def check_options(chunk_size: int, spaco_budget: int | None = None, block_size: int | None = None,
-                  *, error: type[Exception] = SeCOError) -> None:
-    """Raise ``error`` unless ``chunk_size`` is an int >= 1 and ``spaco_budget`` and ``block_size``
-    are None or ints >= 1 (bools are refused)."""
+                  *, loss_slice: int | None = None, error: type[Exception] = SeCOError) -> None:
+    """Raise ``error`` unless ``chunk_size`` is an int >= 1 and ``spaco_budget``, ``block_size``
+    and ``loss_slice`` are None or ints >= 1 (bools are refused)."""
     def bad(value) -> bool:
         return isinstance(value, bool) or not isinstance(value, int) or value < 1
 
@@ -141,6 +151,8 @@ def check_options(chunk_size: int, spaco_budget: int | None = None, block_size: 
                     f"sequence, in expectation), got {spaco_budget!r}")
     if block_size is not None and bad(block_size):
         raise error(f"SeCO: block_size must be None or an int >= 1, got {block_size!r}")
+    if loss_slice is not None and bad(loss_slice):
+        raise error(f"SeCO: loss_slice must be None or an int >= 1, got {loss_slice!r}")
 
 
 def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -166,6 +178,51 @@ def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tens
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over targets != -100 (float32 or wider)."""
     return lm_loss(logits, targets, reduction="sum")
+
+
+def _sliced_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                     loss_slice: int) -> torch.Tensor:
+    """Stage 1 (no grad): the summed cross-entropy of ``head(hidden)`` ``[B, T, d_model]``,
+    ``loss_slice`` tokens of logits at a time."""
+    total = None
+    for start, end in _chunks(hidden.shape[1], loss_slice):
+        part = _loss_sum(head(hidden[:, start:end]), targets[:, start:end])
+        total = part if total is None else total + part
+    return total
+
+
+def _loss_roots(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+                count: torch.Tensor, loss_slice: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Stage 2: ``(tensors, grads)`` whose backward is that of ``weight · Σ cross-entropy(
+    head(hidden), targets) / count``. A chunk of at most ``loss_slice`` tokens: its loss and
+    ``weight``. A longer one, a slice of ``loss_slice`` tokens at a time (one slice's logits alive):
+    ``hidden`` with its gradient, and each head weight with its gradient summed over slices (one
+    extra weight-sized buffer, so slicing is only used when it saves logits)."""
+    if hidden.shape[1] <= loss_slice:
+        loss = _loss_sum(head(hidden), targets) / count
+        return [loss], [torch.full_like(loss, weight)]
+    params = [p for p in head.parameters() if p.requires_grad]
+    d_hidden = torch.zeros_like(hidden)
+    d_params: list[torch.Tensor | None] = [None] * len(params)
+    for start, end in _chunks(hidden.shape[1], loss_slice):
+        leaf = hidden[:, start:end].detach().requires_grad_(hidden.requires_grad)
+        with torch.enable_grad():
+            # the head gets a view, not the leaf: autocast caches its casts of grad-requiring
+            # leaves until the autocast region ends, which would keep every slice (and its bf16
+            # copy) alive for the whole step (measured: + 1.5 x d_model x 4 bytes per token)
+            x = leaf.view_as(leaf) if leaf.requires_grad else leaf
+            loss = _loss_sum(head(x), targets[:, start:end]) * weight / count  # in the loss's dtype
+        inputs = ([leaf] if leaf.requires_grad else []) + params
+        if not inputs or not loss.requires_grad:
+            continue
+        grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+        if leaf.requires_grad:
+            d_hidden[:, start:end] = grads.pop(0)
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                d_params[i] = grad if d_params[i] is None else d_params[i] + grad
+    pairs = [(hidden, d_hidden)] + [(p, g) for p, g in zip(params, d_params) if g is not None]
+    return [t for t, _ in pairs], [g for _, g in pairs]
 
 
 def _chunks(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -228,7 +285,11 @@ class _Layers:
 
     def __init__(self, model: nn.Module, length: int, block_size: int, offload: bool,
                  device: torch.device):
-        self.blocks = list(_unwrap(model).blocks)
+        self.model = _unwrap(model)
+        self.blocks = list(self.model.blocks)
+        # the LM head is applied by SeCO, in slices, when the model can return hidden states
+        self.hidden = "return_hidden" in inspect.signature(self.model.forward).parameters
+        self.head = self.model.lm_head if self.hidden else nn.Identity()
         self.full = [_is_full_attention(block) for block in self.blocks]
         self.length, self.block_size, self.device = length, block_size, device
         self.host = torch.device("cpu") if offload else None
@@ -277,27 +338,35 @@ class _Layers:
 
 
 # ---- stage 1 ------------------------------------------------------------------------------
-def _call(model, ids, embeds, start, end, states):
+def _call(model, layers: _Layers, ids, embeds, start, end, states):
+    """``(x, states)`` of one chunk through ``model`` (a DDP wrapper stays in the call): ``x`` the
+    final-norm hidden states ``[B, end - start, d_model]`` that ``layers.head`` turns into logits
+    (the logits themselves, and ``layers.head`` an identity, for a model whose ``forward`` has no
+    ``return_hidden``, e.g. a subclass overriding it)."""
+    extra = {"return_hidden": True} if layers.hidden else {}
     if ids is not None:  # checked once by seco_step: no range check (a device sync) per chunk
-        with _unwrap(model).ids_checked():
-            return model(input_ids=ids[:, start:end], state=states)
-    return model(inputs_embeds=embeds[:, start:end], state=states)
+        with layers.model.ids_checked():
+            return model(input_ids=ids[:, start:end], state=states, **extra)
+    return model(inputs_embeds=embeds[:, start:end], state=states, **extra)
 
 
-def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds, on_chunk=None):
+def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
+                    loss_slice: int | None = None, on_chunk=None):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
-    RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j."""
+    RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The loss is computed
+    ``loss_slice`` tokens at a time (None: a whole chunk); ``on_chunk(logits)`` (the startup
+    check) gets each chunk's whole logits."""
     states = layers.initial()
     saved, rngs, total = [], [], None
     device = layers.device
     for j, (start, end) in enumerate(bounds):
         rngs.append(_get_rng(device))
         saved.append(layers.save(states) if j > 0 else [None] * len(states))
-        logits, states = _call(model, ids, embeds, start, end, states)
+        hidden, states = _call(model, layers, ids, embeds, start, end, states)
         if on_chunk is not None:
-            on_chunk(logits)
+            on_chunk(layers.head(hidden))
         if targets is not None:
-            chunk_loss = _loss_sum(logits, targets[:, start:end])
+            chunk_loss = _sliced_loss_sum(layers.head, hidden, targets[:, start:end], loss_slice or end - start)
             total = chunk_loss if total is None else total + chunk_loss
         states = [dataclasses.replace(s, own_k=None, own_v=None) if isinstance(s, BlockKVState) else s
                   for s in states]
@@ -317,6 +386,7 @@ def seco_step(
     no_sync: Callable[[], ContextManager] | None = None,
     defer_last: bool = False,
     block_size: int | None = None,
+    loss_slice: int | None = LOSS_SLICE,
 ) -> SeCOResult:
     """One exact chunked forward + backward of a causal LM loss (see the module docstring).
 
@@ -336,12 +406,14 @@ def seco_step(
         no_sync: e.g. ``ddp_model.no_sync``: all chunks but the last recomputed one run inside it.
         defer_last: leave ``.grad`` untouched and return ``deferred`` (see :class:`SeCOResult`).
         block_size: prefix positions read per block (default ``chunk_size``).
+        loss_slice: tokens of logits computed at a time for the loss (default 4096; None = the
+            whole chunk at once). Memory only: the gradient is the same.
 
     Returns:
         :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``
         like ``loss.backward()`` would.
     """
-    check_options(chunk_size, spaco_budget, block_size)
+    check_options(chunk_size, spaco_budget, block_size, loss_slice=loss_slice)
     inner = _unwrap(model)
     ids, embeds, targets = _inputs(batch)
     if ids is not None:
@@ -355,11 +427,12 @@ def seco_step(
         _check_offload(inner, batch_size, length, k, _activation_dtype(inner, device))
     count = (targets != -100).sum().clamp(min=1)  # the global denominator of the mean
     layers = _Layers(inner, length, block_size, kv_offload, device)
+    loss_slice = loss_slice or chunk_size
 
     # ---- stage 1: no-grad pass building the K/V stores and the boundary states ----------
     with torch.no_grad():
         total, final_states, saved, rngs = _forward_chunks(
-            model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds)
+            model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice)
     loss = (total / count).detach()
     stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
               if isinstance(state, BlockKVState)}
@@ -408,10 +481,10 @@ def seco_step(
                     x = embeds
                     if embeds_leaf is not None and not last:
                         x = embeds_leaf
-                    logits, out_states = _call(model, ids, x, start, end, states)
-                    chunk_loss = _loss_sum(logits, targets[:, start:end]) / count
-                    del logits
-                    tensors, grads = [chunk_loss], [torch.full_like(chunk_loss, weight)]
+                    hidden, out_states = _call(model, layers, ids, x, start, end, states)
+                    # the chunk's loss (scaled by its SpaCO weight), a slice of logits at a time
+                    tensors, grads = _loss_roots(layers.head, hidden, targets[:, start:end], weight,
+                                                 count, loss_slice)
                     for i, state in enumerate(out_states):
                         for name, tensor, grad in _relayed(i, state, relay, kv_grads, start, end, j < k - 1):
                             if tensor.requires_grad and grad is not None and tensor.numel():
@@ -420,7 +493,7 @@ def seco_step(
                     if last and embeds_leaf is not None and embeds_leaf.grad is not None:
                         tensors.append(embeds)  # the other chunks' share of d(inputs_embeds)
                         grads.append(embeds_leaf.grad)
-                    del out_states, states
+                    del out_states, states, hidden
                     if last and defer_last:
                         deferred = _deferred(tensors, grads, params, loss)
                         break
@@ -536,7 +609,10 @@ def check_chunked_forward(
     try:
         inner.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            full_logits, _ = _call(model, ids, embeds, 0, tokens, None)
+            layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
+            full_hidden, _ = _call(model, layers, ids, embeds, 0, tokens, None)
+            full_logits = layers.head(full_hidden)
+            del full_hidden
             full = [out.pop() for out in outputs]
             # the logits are compared chunk by chunk (sums of squares in float64), never
             # concatenated: with a large vocabulary they are the biggest tensors in the check
@@ -551,7 +627,6 @@ def check_chunked_forward(
                 sums[0] += (logits.double() - ref.double()).square().sum()
                 sums[1] += ref.double().square().sum()
 
-            layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
             _forward_chunks(model, layers, ids, embeds, None, _chunks(tokens, chunk_size),
                             on_chunk=compare_logits)
     finally:

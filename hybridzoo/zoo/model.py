@@ -114,6 +114,7 @@ class HybridLM(nn.Module):
         *,
         targets: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ):
         """Run the model.
 
@@ -123,11 +124,16 @@ class HybridLM(nn.Module):
             labels: ``[B, T]`` as in Hugging Face: shifted inside (logits at t predict
                 labels at t+1); -100 is ignored.
             targets: ``[B, T]`` already aligned with the logits (no shift); -100 ignored.
+            return_hidden: return the final-norm hidden states ``[B, T, d_model]`` instead of the
+                logits (``lm_head`` not applied; no loss: labels/targets refused). Lets a caller
+                apply the head in slices, e.g. SeCO's sliced cross-entropy.
 
         Returns:
             ``(logits [B, T, vocab] in the model dtype, state)``, plus the mean cross-entropy
             over the non-ignored positions as a third item when labels or targets are given.
         """
+        if return_hidden and (labels is not None or targets is not None):
+            raise ValueError("HybridLM: return_hidden gives no loss; do not pass labels or targets")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("HybridLM: give exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -141,6 +147,8 @@ class HybridLM(nn.Module):
         for block, block_state in zip(self.blocks, state):
             x, block_state = block(x, block_state)
             new_state.append(block_state)
+        if return_hidden:
+            return self.norm(x), new_state
         logits = self.lm_head(self.norm(x))
         if labels is None and targets is None:
             return logits, new_state

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from hybridzoo import HybridLM
+from hybridzoo.training.seco_engine import seco_step
 from tests.conftest import load_script
+from tests.zoo.tiny import tiny_config
 
 CPU = torch.device("cpu")
 
@@ -174,3 +176,20 @@ def test_plot_with_matplotlib(bench, tmp_path):
                              log=lambda *a: None)
     path = bench.plot(result, tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sliced_loss_lowers_the_measured_peak(bench):
+    """SeCO's ``loss_slice``: with a large vocabulary the logits are a chunk's biggest activation;
+    computing them 32 tokens at a time instead of the whole 256-token chunk must lower the peak
+    (CPU allocator, float32: whole-chunk logits, their loss input and gradient are ~4 MB each)."""
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config(["gdn", "attn"], vocab_size=4096))
+    ids = torch.randint(0, 4096, (1, 512))
+    peaks = {}
+    for loss_slice in (None, 32):
+        with bench.MemoryProbe(CPU) as probe:
+            seco_step(model, {"input_ids": ids, "labels": ids}, 256, loss_slice=loss_slice)
+        model.zero_grad(set_to_none=True)
+        peaks[loss_slice] = probe.above_static
+    logits_bytes = 256 * 4096 * 4
+    assert peaks[32] < peaks[None] - 2 * logits_bytes, peaks

@@ -101,6 +101,28 @@ def test_gradients_equal_full_backprop(seed, chunk):
     assert_close(take_grads(model, embeds), ref)
 
 
+@pytest.mark.parametrize("loss_slice", [1, 2, 5, None], ids=lambda s: f"slice{s}")
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("defer_last", [False, True], ids=["backward", "deferred"])
+def test_sliced_loss_gives_full_backprop_and_bounds_the_logits(loss_slice, tied, defer_last):
+    """The LM head on slices of a chunk's hidden states (5 and 2 do not divide chunk 7): the same
+    gradients as full backprop, tied or untied head, with or without defer_last; no head call of
+    SeCO's step sees more than ``loss_slice`` tokens (None: the whole chunk)."""
+    model = hybrid(3, overrides={"tie_embeddings": tied})
+    ids, labels = data(3)
+    full_backprop(model, input_ids=ids, labels=labels)
+    ref = take_grads(model)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    result = seco_step(model, {"input_ids": ids, "labels": labels}, 7, loss_slice=loss_slice,
+                       defer_last=defer_last)
+    hook.remove()
+    if defer_last:
+        result.deferred.backward()
+    assert_close(take_grads(model), ref)
+    assert max(seen) == (loss_slice or 7) and len(seen) >= 2 * -(-T // 7)
+
+
 def test_gradients_from_token_ids_and_aligned_targets():
     """input_ids (the embedding table gets its gradient inside each chunk) and aligned targets."""
     model = hybrid(2)

@@ -69,6 +69,21 @@ def test_loss_is_mean_cross_entropy_over_non_ignored_shifted_labels():
     assert loss_targets.item() == loss.item()
 
 
+def test_return_hidden_gives_what_the_head_turns_into_the_logits():
+    """``return_hidden=True``: the final-norm hidden states [B, T, d_model] and the same state;
+    ``lm_head`` of them is the logits (to the last bit); labels are refused with it."""
+    torch.manual_seed(2)
+    model = HybridLM(tiny_config("gdn mamba2 attn")).double()
+    ids = torch.randint(0, 37, (2, 9))
+    logits, state = model(ids)
+    hidden, hidden_state = model(ids, return_hidden=True)
+    assert hidden.shape == (2, 9, model.config.d_model)
+    assert torch.equal(model.lm_head(hidden), logits)
+    assert len(hidden_state) == len(state)
+    with pytest.raises(ValueError, match="return_hidden"):
+        model(ids, labels=ids, return_hidden=True)
+
+
 def test_config_pattern_repeats_and_validates():
     cfg = HybridConfig(n_layers=7, layers="gdn gdn gdn attn")
     assert cfg.layer_kinds() == ["gdn", "gdn", "gdn", "attn", "gdn", "gdn", "gdn"]
