@@ -92,9 +92,17 @@ def _blocks(length: int, block_size: int):
 
 
 def _read(store: torch.Tensor, start: int, end: int, device: torch.device) -> torch.Tensor:
-    """``store[:, start:end]`` on ``device``, in the store's dtype (a view when it is already there)."""
+    """``store[:, start:end]`` on ``device``, in the store's dtype, with strides that do not depend
+    on the store's capacity (the sequence length): torch.compile (flex_attention on CUDA)
+    specialises on strides, and a batch stride of ``capacity · H · D`` compiled one variant per
+    sequence length, until its recompile limit (8) left flex unfused. Batch 1 (SeCO's case): a
+    view of the store, restrided; larger batches: a copy; another device: the copy made there."""
     block = store[:, start:end]
-    return block.to(device=device, non_blocking=block.is_pinned())
+    if block.device != device:
+        return block.to(device=device, non_blocking=block.is_pinned())
+    if block.shape[0] == 1:
+        return block[0].unsqueeze(0)  # batch stride = the block's own size
+    return block.contiguous()
 
 
 class _BlockPrefixAttention(torch.autograd.Function):

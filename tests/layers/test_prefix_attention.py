@@ -166,6 +166,32 @@ def test_forward_blocks_reach_flex_as_one_variant_per_block_length(monkeypatch):
     assert rel_err(o.double(), exact) < 1e-5
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_blocks_compile_once_whatever_the_sequence_length(batch):
+    """torch.compile (flex_attention on CUDA, ``dynamic=False``) guards on strides: blocks read
+    from stores of different capacities (sequence lengths) must look alike, or every new length
+    compiles a new variant (seen on an H200: the first SeCO step at each length paid it, and past
+    8 variants flex runs unfused). Counted with a backend that records each compilation; the
+    values are the store's."""
+    compiles = []
+
+    def backend(graph, inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    fn = torch.compile(lambda q, k: (q @ k.transpose(1, 2).transpose(-1, -2)).sum(), dynamic=False,
+                       backend=backend)
+    q = torch.randn(batch, 2, 8, 16)
+    for capacity in (24, 40, 72):
+        store = torch.randn(batch, capacity, 2, 16)
+        block = prefix_attention._read(store, 8, 16, store.device)
+        assert torch.equal(block, store[:, 8:16])
+        if batch == 1:
+            assert block.data_ptr() == store[:, 8].data_ptr()  # a view, no copy
+        fn(q, block)
+    assert len(compiles) == 1
+
+
 # ---- the Triton flash backward (CUDA path), run here by Triton's interpreter -----------------------
 @HEADS
 @pytest.mark.parametrize("block_size", [3, P])
