@@ -92,6 +92,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
 from hybridzoo.training.seco_engine import (  # noqa: E402
+    LOSS_SLICE,
     SeCOError,
     SeCOOffloadError,
     _get_rng,
@@ -278,7 +279,8 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device: torch.device,
-               autocast_dtype: torch.dtype | None, block_size: int | None = None) -> dict:
+               autocast_dtype: torch.dtype | None, block_size: int | None = None,
+               loss_slice: int | None = LOSS_SLICE) -> dict:
     """One measured training step: forward + backward (``step_s``), then ``optimizer.step()``
     (``optim_s``), peak memory over both. Raises what the step raises (out of memory included)."""
     model.zero_grad(set_to_none=True)
@@ -291,7 +293,7 @@ def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device
                 loss, num_chunks = full_backprop_step(model, batch, chunk_size), 1
             else:
                 result = seco_step(model, batch, chunk_size, kv_offload=mode == "seco_offload",
-                                   block_size=block_size)
+                                   block_size=block_size, loss_slice=loss_slice)
                 loss, num_chunks = result.loss, result.num_chunks
         _sync(device)
         middle = time.perf_counter()
@@ -371,7 +373,8 @@ def _meta(device: torch.device, args: dict) -> dict:
                          "are allocated in the warm-up and counted in static_bytes",
             "full_backprop": "one forward + backward of the whole sequence, no activation checkpointing, "
                              "chunked cross-entropy over chunk_size slices (logits recomputed in backward)",
-            "seco": "seco_engine.seco_step (block_size: see block_size), no activation checkpointing in a chunk",
+            "seco": "seco_engine.seco_step (block_size, loss_slice: see those; rows without loss_slice ran "
+                    "before it existed, with each chunk's whole logits), no activation checkpointing in a chunk",
             "memory": "torch.cuda.max_memory_allocated after reset_peak_memory_stats" if device.type == "cuda"
                       else "PyTorch profiler CPU allocation events (bytes allocated inside the step at their peak)",
         },
@@ -394,7 +397,8 @@ def _predict_seconds(rows: list[dict], recipe: str, mode: str, tokens: int, has_
 def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_size: int, device: torch.device,
               out: str | Path | None, *, autocast_dtype: torch.dtype | None = torch.bfloat16,
               max_step_s: float = 0.0, grad_check: bool = True, resume: bool = False, seed: int = 0,
-              args_for_meta: dict | None = None, log=print, block_size: int | None = None) -> dict:
+              args_for_meta: dict | None = None, log=print, block_size: int | None = None,
+              loss_slice: int | None = LOSS_SLICE) -> dict:
     """Run every (recipe, length, mode) row and return (and write to ``out`` after every row) the
     result dict: ``meta``, ``recipes`` (per recipe: parameters, memory model, startup check),
     ``rows``, ``summary`` (see :func:`summarize`)."""
@@ -417,8 +421,9 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
             Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
     for spec in recipes:
-        key = lambda tokens, mode: (spec, tokens, mode, chunk_size)  # noqa: E731
-        done = {(r["recipe"], r["tokens"], r["mode"], r["chunk_size"]) for r in rows}
+        # rows of another chunk or loss slice are other rows (rows before loss_slice existed: None)
+        key = lambda tokens, mode: (spec, tokens, mode, chunk_size, loss_slice)  # noqa: E731
+        done = {(r["recipe"], r["tokens"], r["mode"], r["chunk_size"], r.get("loss_slice")) for r in rows}
         todo = [(tokens, mode) for tokens in lengths for mode in modes if key(tokens, mode) not in done]
         if not todo:
             continue
@@ -449,13 +454,14 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         _free(device)
         # warm-up: every mode once at a short length (kernels compiled, AdamW states allocated),
         # long enough that SeCO meets every prefix-block length it will use (chunk, 2 chunks, ...,
-        # block_size): each new length compiles flex_attention, and did so inside a timed step
+        # block_size): each new block length compiles flex_attention (before 2026-11-30's session 6
+        # so did each new sequence length: its blocks' strides depended on it)
         warm = min(max(2 * chunk_size, (block_size or chunk_size) + chunk_size), max(lengths))
         info["warmup_tokens"] = warm
         for mode in dict.fromkeys(m for _, m in todo):
             try:
                 train_step(model, optimizer, make_batch(vocab, warm, device, seed), mode, chunk_size, device,
-                           autocast_dtype, block_size)
+                           autocast_dtype, block_size, loss_slice)
             except (torch.OutOfMemoryError, SeCOError) as error:
                 log(f"{spec}: warm-up of {mode} failed: {type(error).__name__}")
         model.zero_grad(set_to_none=True)
@@ -466,7 +472,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
 
         reference: dict[int, tuple[str, list[torch.Tensor]]] = {}
         for tokens, mode in todo:
-            row = {"recipe": spec, "mode": mode, "tokens": tokens, "chunk_size": chunk_size,
+            row = {"recipe": spec, "mode": mode, "tokens": tokens, "chunk_size": chunk_size, "loss_slice": loss_slice,
                    "predicted_bytes_per_token": info["memory_model"].get(mode, {}).get("device")}
             earlier = sorted((r for r in rows if r["recipe"] == spec and r["mode"] == mode and r["tokens"] < tokens
                               and r["chunk_size"] == chunk_size and r["status"] != "ok"), key=lambda r: r["tokens"])
@@ -486,7 +492,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
                     batch = make_batch(vocab, tokens, device, seed + tokens)
                     wall = time.perf_counter()
                     row.update(train_step(model, optimizer, batch, mode, chunk_size, device, autocast_dtype,
-                                          block_size))
+                                          block_size, loss_slice))
                     row["wall_s"] = time.perf_counter() - wall
                     row["status"] = "ok"
                     row["us_per_token"] = row["step_s"] / tokens * 1e6
@@ -677,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=None, help=f"comma-separated token counts, k = 1024, M = 2**20 "
                                                         f"(default {DEFAULT_LENGTHS})")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    parser.add_argument("--chunk-size", type=int, default=None, help="SeCO chunk (and loss slice) size (default 4096)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="SeCO chunk size, also full backprop's "
+                                                                     "cross-entropy slices (default 4096)")
+    parser.add_argument("--loss-slice", type=int, default=LOSS_SLICE,
+                        help=f"SeCO's loss_slice: tokens of logits at a time (default {LOSS_SLICE}; 0 = the whole chunk)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="K/V prefix positions per attention call in SeCO (default: the chunk size); larger "
                              "blocks mean fewer calls at long lengths")
@@ -724,12 +733,14 @@ def main(argv: list[str] | None = None) -> int:
     lengths = sorted({parse_tokens(t) for t in lengths.split(",") if t.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     settings = {"recipes": recipes, "lengths": lengths, "modes": modes, "chunk_size": chunk_size,
-                "block_size": args.block_size or chunk_size, "dtype": args.dtype, "cpu_smoke": args.cpu_smoke}
+                "block_size": args.block_size or chunk_size, "loss_slice": args.loss_slice or None,
+                "dtype": args.dtype, "cpu_smoke": args.cpu_smoke}
     start = time.perf_counter()
     result = benchmark(recipes, lengths, modes, chunk_size, device, out,
                        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
                        max_step_s=args.max_step_s, grad_check=not args.no_grad_check, resume=args.resume,
-                       seed=args.seed, args_for_meta=settings, block_size=args.block_size)
+                       seed=args.seed, args_for_meta=settings, block_size=args.block_size,
+                       loss_slice=args.loss_slice or None)
     print_summary(result)
     try:
         path = plot(result, args.plot or Path(out).with_suffix(".png"))
