@@ -369,7 +369,8 @@ def test_block_prefix_attention_matches_autograd_and_accumulates_in_place(block_
 
 
 # ---- DDP: one gradient sync per step ---------------------------------------------------------------
-def test_ddp_syncs_once_per_step():
+@pytest.mark.parametrize("loss_slice", [None, 2], ids=["whole-chunk-loss", "sliced-loss"])
+def test_ddp_syncs_once_per_step(loss_slice):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -393,7 +394,8 @@ def test_ddp_syncs_once_per_step():
         per_sync = len(buckets)
         model.zero_grad(set_to_none=True)
         buckets.clear()
-        result = seco_step(ddp, {"input_ids": ids, "labels": labels}, 5, no_sync=ddp.no_sync)
+        result = seco_step(ddp, {"input_ids": ids, "labels": labels}, 5, no_sync=ddp.no_sync,
+                           loss_slice=loss_slice)
         assert result.num_chunks == 5 and len(buckets) == per_sync >= 1
         assert_close(take_grads(model), ref)
     finally:
