@@ -8,7 +8,10 @@
 **Stage 1** (no grad): run the chunks in order with carried states. Every full-attention layer
 writes its K/V into one store for the whole sequence (a :class:`BlockKVState`); every other layer
 (recurrent states + conv tails, sliding-window K/V) has a bounded *Markov* state, saved at each
-chunk boundary. Each chunk's RNG state is saved too.
+chunk boundary. Each chunk's RNG state is saved too. The LM head is not applied: a recomputed
+chunk's loss comes from its stage-2 forward (only chunks that SpaCO skips get their loss here),
+which saves stage 1 the head's matmul (for qwen35-0.8b's 248k-token vocabulary about a third of
+a forward's matmul FLOPs).
 
 **Stage 2** (reverse sweep, chunk k-1 down to 0): recompute chunk j with grad from its saved
 states and RNG state, then one ``torch.autograd.backward`` of
@@ -101,8 +104,8 @@ class SeCOResult:
     """What :func:`seco_step` returns.
 
     Attributes:
-        loss: the batch's mean loss (a detached scalar, float32 or wider), from stage 1: the exact
-            loss also under SpaCO.
+        loss: the batch's mean loss (a detached scalar, float32 or wider): each recomputed chunk's
+            from its stage-2 forward, each chunk SpaCO skips from stage 1; exact also under SpaCO.
         num_chunks: number of chunks k.
         selected: per chunk, whether stage 2 recomputed it (all True without SpaCO).
         deferred: with ``defer_last=True``, a scalar equal to ``loss`` whose backward adds this
@@ -192,18 +195,22 @@ def _sliced_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tenso
 
 
 def _loss_roots(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
-                count: torch.Tensor, loss_slice: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Stage 2: ``(tensors, grads)`` whose backward is that of ``weight · Σ cross-entropy(
-    head(hidden), targets) / count``. A chunk of at most ``loss_slice`` tokens: its loss and
+                count: torch.Tensor, loss_slice: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Stage 2: ``(tensors, grads, summed)``: a backward of ``tensors`` with ``grads`` is that of
+    ``weight · Σ cross-entropy(head(hidden), targets) / count``; ``summed`` is that sum of
+    cross-entropies (detached, unweighted). A chunk of at most ``loss_slice`` tokens: its loss and
     ``weight``. A longer one, a slice of ``loss_slice`` tokens at a time (one slice's logits alive):
     ``hidden`` with its gradient, and each head weight with its gradient summed over slices (one
     extra weight-sized buffer, so slicing is only used when it saves logits)."""
     if hidden.shape[1] <= loss_slice:
-        loss = _loss_sum(head(hidden), targets) / count
-        return [loss], [torch.full_like(loss, weight)]
+        summed = _loss_sum(head(hidden), targets)
+        loss = summed / count
+        return [loss], [torch.full_like(loss, weight)], summed.detach()
     params = [p for p in head.parameters() if p.requires_grad]
     d_hidden = torch.zeros_like(hidden)
     d_params: list[torch.Tensor | None] = [None] * len(params)
+    total = None
     for start, end in _chunks(hidden.shape[1], loss_slice):
         leaf = hidden[:, start:end].detach().requires_grad_(hidden.requires_grad)
         with torch.enable_grad():
@@ -211,7 +218,9 @@ def _loss_roots(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, we
             # leaves until the autocast region ends, which would keep every slice (and its bf16
             # copy) alive for the whole step (measured: + 1.5 x d_model x 4 bytes per token)
             x = leaf.view_as(leaf) if leaf.requires_grad else leaf
-            loss = _loss_sum(head(x), targets[:, start:end]) * weight / count  # in the loss's dtype
+            part = _loss_sum(head(x), targets[:, start:end])
+            loss = part * weight / count  # in the loss's dtype
+        total = part.detach() if total is None else total + part.detach()
         inputs = ([leaf] if leaf.requires_grad else []) + params
         if not inputs or not loss.requires_grad:
             continue
@@ -222,7 +231,7 @@ def _loss_roots(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, we
             if grad is not None:
                 d_params[i] = grad if d_params[i] is None else d_params[i] + grad
     pairs = [(hidden, d_hidden)] + [(p, g) for p, g in zip(params, d_params) if g is not None]
-    return [t for t, _ in pairs], [g for _, g in pairs]
+    return [t for t, _ in pairs], [g for _, g in pairs], total
 
 
 def _chunks(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -351,11 +360,12 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
 
 
 def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
-                    loss_slice: int | None = None, on_chunk=None):
+                    loss_slice: int | None = None, on_chunk=None, with_loss=None):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
-    RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The loss is computed
-    ``loss_slice`` tokens at a time (None: a whole chunk); ``on_chunk(logits)`` (the startup
-    check) gets each chunk's whole logits."""
+    RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
+    of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
+    at a time (None: a whole chunk); ``on_chunk(logits)`` (the startup check) gets each chunk's
+    whole logits."""
     states = layers.initial()
     saved, rngs, total = [], [], None
     device = layers.device
@@ -365,7 +375,7 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
         hidden, states = _call(model, layers, ids, embeds, start, end, states)
         if on_chunk is not None:
             on_chunk(layers.head(hidden))
-        if targets is not None:
+        if targets is not None and (with_loss is None or with_loss[j]):
             chunk_loss = _sliced_loss_sum(layers.head, hidden, targets[:, start:end], loss_slice or end - start)
             total = chunk_loss if total is None else total + chunk_loss
         states = [dataclasses.replace(s, own_k=None, own_v=None) if isinstance(s, BlockKVState) else s
@@ -429,16 +439,19 @@ def seco_step(
     layers = _Layers(inner, length, block_size, kv_offload, device)
     loss_slice = loss_slice or chunk_size
 
+    # which chunks stage 2 recomputes (SpaCO draws them): their losses come from stage 2's
+    # forward, so stage 1 applies the LM head only to the chunks SpaCO skips
+    weights = _select(k, spaco_budget, selection, generator)
+
     # ---- stage 1: no-grad pass building the K/V stores and the boundary states ----------
     with torch.no_grad():
         total, final_states, saved, rngs = _forward_chunks(
-            model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice)
-    loss = (total / count).detach()
+            model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice,
+            with_loss=[w == 0 for w in weights])
     stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
               if isinstance(state, BlockKVState)}
     del final_states
 
-    weights = _select(k, spaco_budget, selection, generator)
     order = [j for j in reversed(range(k)) if weights[j] > 0]
     if not order and no_sync is not None:  # every DDP rank must join the one gradient sync
         order, weights = [0], [0.0] * k
@@ -483,8 +496,10 @@ def seco_step(
                         x = embeds_leaf
                     hidden, out_states = _call(model, layers, ids, x, start, end, states)
                     # the chunk's loss (scaled by its SpaCO weight), a slice of logits at a time
-                    tensors, grads = _loss_roots(layers.head, hidden, targets[:, start:end], weight,
-                                                 count, loss_slice)
+                    tensors, grads, summed = _loss_roots(layers.head, hidden, targets[:, start:end], weight,
+                                                         count, loss_slice)
+                    if weight > 0:  # (a DDP-only pass of a skipped chunk has weight 0: loss from stage 1)
+                        total = summed if total is None else total + summed
                     for i, state in enumerate(out_states):
                         for name, tensor, grad in _relayed(i, state, relay, kv_grads, start, end, j < k - 1):
                             if tensor.requires_grad and grad is not None and tensor.numel():
@@ -495,7 +510,7 @@ def seco_step(
                         grads.append(embeds_leaf.grad)
                     del out_states, states, hidden
                     if last and defer_last:
-                        deferred = _deferred(tensors, grads, params, loss)
+                        deferred = _deferred(tensors, grads, params, (total / count).detach())
                         break
                     pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
                     if pairs:
@@ -506,12 +521,13 @@ def seco_step(
                 relay_from = j
                 del leaves
             if defer_last and deferred is None:  # SpaCO selected nothing
-                deferred = _deferred([], [], params, loss)
+                deferred = _deferred([], [], params, (total / count).detach())
     finally:
         _set_rng(device, end_rng)
         if defer_last:
             for p in params:
                 p.grad = prior[p]
+    loss = (total / count).detach()
     return SeCOResult(loss=loss, num_chunks=k, selected=[w > 0 for w in weights], deferred=deferred)
 
 
