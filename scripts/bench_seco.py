@@ -91,6 +91,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
+from hybridzoo.layers import chunk_attention  # noqa: E402
 from hybridzoo.training.seco_engine import (  # noqa: E402
     LOSS_SLICE,
     SeCOError,
@@ -375,6 +376,9 @@ def _meta(device: torch.device, args: dict) -> dict:
                              "chunked cross-entropy over chunk_size slices (logits recomputed in backward)",
             "seco": "seco_engine.seco_step (block_size, loss_slice: see those; rows without loss_slice ran "
                     "before it existed, with each chunk's whole logits), no activation checkpointing in a chunk",
+            "seco_attention_backward": ("PyTorch's flash backward per block (chunk_attention, HYBRIDZOO_SECO_FLASH=1)"
+                                        if chunk_attention.FLASH_ON_CUDA else
+                                        "hybridzoo's Triton prefix backward (prefix_attention, the default)"),
             "memory": "torch.cuda.max_memory_allocated after reset_peak_memory_stats" if device.type == "cuda"
                       else "PyTorch profiler CPU allocation events (bytes allocated inside the step at their peak)",
         },

@@ -31,6 +31,7 @@ from torch import nn
 from hybridzoo.kernels import attention, merge_attention
 from hybridzoo.layers.base import Mixer
 from hybridzoo.layers.norms import RMSNorm
+from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_applies
 from hybridzoo.layers.prefix_attention import block_prefix_attention
 from hybridzoo.layers.rotary import Rotary
 from hybridzoo.layers.state import MixerState, StateError
@@ -328,13 +329,19 @@ class Attention(Mixer):
         if P + T > state.capacity:
             raise ValueError(f"Attention: BlockKVState holds {state.capacity} positions, "
                              f"{P} stored + {T} new do not fit")
-        # the log-sum-exp only when there is a prefix to merge with (without it SDPA serves)
-        o, lse = attention(q, k, v, scale=self.scale, return_lse=P > 0, backend=self.backend)
-        if P > 0:
-            o_prefix, lse_prefix = block_prefix_attention(
-                q, state.k_buf, state.v_buf, P, block_size=state.block_size, scale=self.scale,
-                k_grad=state.k_grad, v_grad=state.v_grad, backend=self.backend)
-            o, _ = merge_attention(o_prefix, lse_prefix, o, lse)
+        if P > 0 and chunk_attention_applies(q, state.v_buf, self.backend):
+            # prefix and own keys in one Function, stock flash backward per block
+            o = chunk_attention(q, k, v, state.k_buf, state.v_buf, P, block_size=state.block_size,
+                                scale=self.scale, k_grad=state.k_grad, v_grad=state.v_grad,
+                                backend=self.backend)
+        else:
+            # the log-sum-exp only when there is a prefix to merge with (without it SDPA serves)
+            o, lse = attention(q, k, v, scale=self.scale, return_lse=P > 0, backend=self.backend)
+            if P > 0:
+                o_prefix, lse_prefix = block_prefix_attention(
+                    q, state.k_buf, state.v_buf, P, block_size=state.block_size, scale=self.scale,
+                    k_grad=state.k_grad, v_grad=state.v_grad, backend=self.backend)
+                o, _ = merge_attention(o_prefix, lse_prefix, o, lse)
         k_buf, v_buf = state.k_buf, state.v_buf
         if not state.read_only:
             if k_buf is None:  # first call: allocate the stores in the dtype attention consumes

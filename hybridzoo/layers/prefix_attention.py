@@ -70,21 +70,28 @@ def block_prefix_attention(
         ``(o [B, T, H, Dv] in q.dtype, lse [B, T, H])``, lse in float32 (float64 for float64 q).
         Differentiable in ``q`` (both outputs); the prefix's gradients go to the buffers.
     """
+    _check_store_call("block_prefix_attention", q, k_store, v_store, length, block_size, k_grad, v_grad)
+    return _BlockPrefixAttention.apply(q, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend)
+
+
+def _check_store_call(name: str, q, k_store, v_store, length: int, block_size: int, k_grad, v_grad) -> None:
+    """ValueError naming ``name`` unless q ``[B, T, H, D]`` fits the stores ``[B, capacity, Hk, D|Dv]``
+    (same B and D, H a multiple of Hk), ``1 <= length <= capacity``, ``block_size >= 1`` and the
+    gradient buffers (when given) have their store's shape."""
     if q.dim() != 4 or k_store.dim() != 4 or v_store.shape[:3] != k_store.shape[:3]:
-        raise ValueError(f"block_prefix_attention: q must be [B, T, H, D] and the stores [B, capacity, Hk, D], "
+        raise ValueError(f"{name}: q must be [B, T, H, D] and the stores [B, capacity, Hk, D], "
                          f"got {tuple(q.shape)}, {tuple(k_store.shape)}, {tuple(v_store.shape)}")
     if k_store.shape[0] != q.shape[0] or k_store.shape[3] != q.shape[3] or q.shape[2] % k_store.shape[2]:
-        raise ValueError(f"block_prefix_attention: stores {tuple(k_store.shape)} do not fit q {tuple(q.shape)} "
+        raise ValueError(f"{name}: stores {tuple(k_store.shape)} do not fit q {tuple(q.shape)} "
                          f"(same B and D, H a multiple of Hk)")
     if not 1 <= length <= k_store.shape[1]:
-        raise ValueError(f"block_prefix_attention: length must be in [1, {k_store.shape[1]}], got {length}")
+        raise ValueError(f"{name}: length must be in [1, {k_store.shape[1]}], got {length}")
     if block_size < 1:
-        raise ValueError(f"block_prefix_attention: block_size must be >= 1, got {block_size}")
-    for name, grad, store in (("k_grad", k_grad, k_store), ("v_grad", v_grad, v_store)):
+        raise ValueError(f"{name}: block_size must be >= 1, got {block_size}")
+    for field, grad, store in (("k_grad", k_grad, k_store), ("v_grad", v_grad, v_store)):
         if grad is not None and grad.shape != store.shape:
-            raise ValueError(f"block_prefix_attention: {name} must have the store's shape "
+            raise ValueError(f"{name}: {field} must have the store's shape "
                              f"{tuple(store.shape)}, got {tuple(grad.shape)}")
-    return _BlockPrefixAttention.apply(q, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend)
 
 
 def _blocks(length: int, block_size: int):

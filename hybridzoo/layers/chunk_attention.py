@@ -1,0 +1,151 @@
+"""A chunk's causal attention over a stored K/V prefix and over itself, as one autograd Function
+whose backward is the flash-attention backward of each block against the merged normaliser.
+
+SeCO's default path (:mod:`hybridzoo.layers.prefix_attention`) makes the prefix one autograd
+Function returning ``(O_p, lse_p)`` and merges it with the chunk's own causal attention by
+log-sum-exp outside; its backward then needs ``Δ = rowsum(dO_p ∘ O_p) − dlse_p``, which no stock
+flash backward takes, so it runs a Triton kernel of ours. Here the merge is inside the Function
+and only the merged output ``O`` leaves it. Its backward gets ``dO`` alone, and for every block
+``b`` (each prefix block, and the chunk's own keys, causally)::
+
+    P_b = exp(S_b − lse),   dS_b = P_b ∘ (dO V_bᵀ − rowsum(dO ∘ O)),
+    dQ += scale · dS_b K_b,   dK_b = scale · dS_bᵀ Q,   dV_b = P_bᵀ dO
+
+with the merged ``(O, lse)`` of the whole row: exactly what a flash-attention backward computes
+when handed ``(dO, Q, K_b, V_b, O, lse)`` (ring attention's identity). So each block is one call
+of PyTorch's own flash backward (``aten._scaled_dot_product_flash_attention_for_cpu_backward`` on
+the CPU, ``aten._scaled_dot_product_flash_attention_backward`` on CUDA): no forward recomputed,
+no kernel of ours. K/V heads are expanded to the query heads per block (GQA) and their gradients
+summed back; prefix gradients are added in place into ``k_grad`` / ``v_grad`` (SeCO's relay
+buffers), the chunk's own K/V gradients returned to autograd.
+
+Where it runs: on the CPU for every float dtype (exact in float64: the SeCO tests use it); on
+CUDA only when :data:`FLASH_ON_CUDA` is set (environment ``HYBRIDZOO_SECO_FLASH=1``) for
+bf16/fp16 with equal q and v head sizes <= 256, a multiple of 8. It is off on CUDA by default
+until it has been checked and timed on a GPU (written in session 6 without device time); the
+default CUDA path is the one of :mod:`~hybridzoo.layers.prefix_attention`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridzoo.kernels import attention, merge_attention
+from hybridzoo.layers.prefix_attention import _block_attention, _blocks, _check_store_call, _read
+
+FLASH_ON_CUDA = os.environ.get("HYBRIDZOO_SECO_FLASH", "0") == "1"
+
+
+def chunk_attention_applies(q: torch.Tensor, v_store: torch.Tensor, backend: str) -> bool:
+    """Whether :func:`chunk_attention` serves this call (see the module docstring)."""
+    if backend not in ("auto", "torch") or q.shape[-1] != v_store.shape[-1]:
+        return False
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float64, torch.float32, torch.bfloat16)
+    return (FLASH_ON_CUDA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    length: int,
+    *,
+    block_size: int,
+    scale: float,
+    k_grad: torch.Tensor | None = None,
+    v_grad: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of a chunk's queries over the first ``length`` positions of a K/V store
+    (all visible) and over the chunk's own keys (causally).
+
+    Args:
+        q: ``[B, T, H, D]`` queries (already rotated); ``k, v``: the chunk's own ``[B, T, Hk, D]``.
+        k_store, v_store: ``[B, capacity, Hk, D]``, on q's device or in (pinned) host memory.
+        length: prefix positions attended (> 0); ``block_size``: positions read per block.
+        scale: the softmax scale.
+        k_grad, v_grad: float buffers shaped like the stores (on q's device) that the backward
+            adds the prefix's K/V gradients into; None = not needed.
+        backend: the attention backend of the forward's calls.
+
+    Returns:
+        ``o [B, T, H, D]`` in q's dtype.
+    """
+    _check_store_call("chunk_attention", q, k_store, v_store, length, block_size, k_grad, v_grad)
+    own = (q.shape[0], q.shape[1], k_store.shape[2], q.shape[3])
+    if k.shape != own or v.shape != own:
+        raise ValueError(f"chunk_attention: the chunk's own k and v must be [B, T, Hk, D] = {list(own)}, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    return _ChunkAttention.apply(q, k, v, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend)
+
+
+class _ChunkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend):
+        q, k, v = q.detach(), k.detach(), v.detach()  # one compiled flex variant (see prefix_attention)
+        wide = torch.promote_types(q.dtype, torch.float32)  # merged in float32 at least
+        o = lse = None
+        for start, end in _blocks(length, block_size):
+            o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
+                                          _read(v_store, start, end, q.device), scale, backend)
+            o_b = o_b.to(wide)
+            o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
+        o_own, lse_own = attention(q, k, v, scale=scale, return_lse=True, backend=backend)
+        o, lse = merge_attention(o, lse, o_own.to(wide), lse_own)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.stores = (k_store, v_store, k_grad, v_grad)
+        ctx.meta = (length, block_size, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, o, lse = ctx.saved_tensors
+        k_store, v_store, k_grad, v_grad = ctx.stores
+        length, block_size, scale = ctx.meta
+        d_o = d_o.to(q.dtype)
+        dq, dk, dv = _flash_block_backward(d_o, q, k, v, o, lse, scale, causal=True)
+        dq = dq.to(torch.promote_types(q.dtype, torch.float32))
+        for start, end in _blocks(length, block_size):
+            k_b = _read(k_store, start, end, q.device).to(q.dtype)
+            v_b = _read(v_store, start, end, q.device).to(q.dtype)
+            dq_b, dk_b, dv_b = _flash_block_backward(d_o, q, k_b, v_b, o, lse, scale, causal=False)
+            dq += dq_b
+            if k_grad is not None:
+                k_grad[:, start:end] += dk_b.to(k_grad.dtype)
+            if v_grad is not None:
+                v_grad[:, start:end] += dv_b.to(v_grad.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def _flash_block_backward(d_o, q, k, v, o, lse, scale: float, causal: bool):
+    """PyTorch's flash-attention backward of one block against the merged ``(o, lse)``.
+
+    ``d_o, q, o [B, T, H, D]``, ``k, v [B, S, Hk, D]`` (one dtype), ``lse [B, T, H]`` (natural
+    log, float32; float64 for float64). ``causal``: key ``s`` visible to query ``t`` iff
+    ``s <= t`` (the chunk's own block, S = T). Returns ``(dq [B, T, H, D], dk, dv [B, S, Hk, D])``."""
+    groups = q.shape[2] // k.shape[2]
+    heads = (lambda x: x.repeat_interleave(groups, dim=2)) if groups > 1 else (lambda x: x)
+    qt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, o, d_o))      # [B, H, T, D]
+    kt, vt = (heads(x).transpose(1, 2).contiguous() for x in (k, v))         # [B, H, S, D]
+    lse_t = lse.transpose(1, 2).contiguous()                                  # [B, H, T]
+    if q.is_cuda:
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse_t.float(), None, None, qt.shape[2], kt.shape[2], 0.0, causal,
+            seed, offset, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dot, qt, kt, vt, ot, lse_t, 0.0, causal, scale=scale)
+    B, H, S, D = dk.shape
+    if groups > 1:  # sum the gradients of the query heads that share a K/V head
+        dk = dk.view(B, H // groups, groups, S, D).sum(2)
+        dv = dv.view(B, H // groups, groups, S, dv.shape[-1]).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
