@@ -26,13 +26,21 @@ class Rotary(nn.Module):
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"Rotary: rotary_dim must be even and <= head_dim, got {rotary_dim}")
         self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self._inv_freq: dict[str, torch.Tensor] = {}  # per device; see inv_freq
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``base ** (-2i / rotary_dim)`` in float32, computed on demand (never a buffer, so
-        ``model.to(bfloat16)`` cannot round the frequencies: their error would grow with the
-        position)."""
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
-        return (self.base ** -exponent).float().to(device)
+        """``base ** (-2i / rotary_dim)`` ``[rotary_dim / 2]`` float32 on ``device`` (default CPU).
+
+        Computed in float64 on the CPU and kept per device in a plain dict, never a buffer, so
+        ``model.to(bfloat16)`` cannot round the frequencies (their error would grow with the
+        position). Kept, not recomputed: a CPU -> GPU copy per call is a stream synchronisation
+        in PyTorch, and SeCO calls every attention layer twice per chunk."""
+        key = str(torch.device("cpu" if device is None else device))
+        freq = self._inv_freq.get(key)
+        if freq is None:
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
+            freq = self._inv_freq[key] = (self.base ** -exponent).float().to(key)
+        return freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` (int) -> cos, sin ``[T, rotary_dim]`` in float32 (float64 kept)."""

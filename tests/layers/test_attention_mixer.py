@@ -268,3 +268,22 @@ def test_parity_qwen3_sliding_window(monkeypatch):
     # the window matters here: full attention with the same weights gives another output
     y_full, _ = make(**settings).float()(randn(2, 12, 32, seed=7, dtype=torch.float32))
     assert rel_err(y_full, y) > 1e-2
+
+
+def test_rotary_frequencies_are_kept_per_device_in_float32(monkeypatch):
+    """The inverse frequencies are made once per device (a CPU -> GPU copy per call would be a
+    stream synchronisation per attention call) and stay float32 when the model is cast."""
+    from hybridzoo.layers.rotary import Rotary
+
+    rotary = Rotary(16, rotary_dim=8, base=500.0)
+    made = []
+    real_arange = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: made.append(a) or real_arange(*a, **k))
+    first = rotary.inv_freq("cpu")
+    assert rotary.inv_freq() is first and rotary.inv_freq(torch.device("cpu")) is first
+    assert len(made) == 1
+    monkeypatch.undo()
+    exact = 500.0 ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    assert first.dtype == torch.float32 and torch.equal(first, exact.float())
+    mixer = Attention(32, AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=16)).to(torch.bfloat16)
+    assert mixer.rotary.inv_freq().dtype == torch.float32
