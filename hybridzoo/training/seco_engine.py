@@ -364,8 +364,8 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
     RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
     of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
-    at a time (None: a whole chunk); ``on_chunk(logits)`` (the startup check) gets each chunk's
-    whole logits."""
+    at a time (None: a whole chunk); ``on_chunk(x)`` (the startup check) gets each chunk's
+    output before the LM head (``layers.head`` makes the logits of it)."""
     states = layers.initial()
     saved, rngs, total = [], [], None
     device = layers.device
@@ -374,7 +374,7 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
         saved.append(layers.save(states) if j > 0 else [None] * len(states))
         hidden, states = _call(model, layers, ids, embeds, start, end, states)
         if on_chunk is not None:
-            on_chunk(layers.head(hidden))
+            on_chunk(hidden)
         if targets is not None and (with_loss is None or with_loss[j]):
             chunk_loss = _sliced_loss_sum(layers.head, hidden, targets[:, start:end], loss_slice or end - start)
             total = chunk_loss if total is None else total + chunk_loss
@@ -627,21 +627,22 @@ def check_chunked_forward(
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
             full_hidden, _ = _call(model, layers, ids, embeds, 0, tokens, None)
-            full_logits = layers.head(full_hidden)
-            del full_hidden
             full = [out.pop() for out in outputs]
-            # the logits are compared chunk by chunk (sums of squares in float64), never
-            # concatenated: with a large vocabulary they are the biggest tensors in the check
+            # the logits are compared LOSS_SLICE tokens at a time (sums of squares in float64),
+            # never whole: with a large vocabulary they are the biggest tensors in the check
+            # (qwen35-0.8b, 65,536 tokens: 32 GB in bf16, twice that per chunk in float64)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # ‖chunked − full‖², ‖full‖²
             offset = [0]
             finite = [True]
 
-            def compare_logits(logits):
-                ref = full_logits[:, offset[0]:offset[0] + logits.shape[1]]
-                offset[0] += logits.shape[1]
-                finite[0] &= bool(torch.isfinite(logits).all())
-                sums[0] += (logits.double() - ref.double()).square().sum()
-                sums[1] += ref.double().square().sum()
+            def compare_logits(hidden):
+                for start, end in _chunks(hidden.shape[1], LOSS_SLICE):
+                    logits = layers.head(hidden[:, start:end])
+                    ref = layers.head(full_hidden[:, offset[0] + start:offset[0] + end])
+                    finite[0] &= bool(torch.isfinite(logits).all())
+                    sums[0] += (logits.double() - ref.double()).square().sum()
+                    sums[1] += ref.double().square().sum()
+                offset[0] += hidden.shape[1]
 
             _forward_chunks(model, layers, ids, embeds, None, _chunks(tokens, chunk_size),
                             on_chunk=compare_logits)

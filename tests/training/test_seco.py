@@ -315,6 +315,29 @@ def test_startup_check_passes_on_a_good_model_and_names_the_first_bad_block():
     assert all(p.grad is None for p in model.parameters())  # ... before touching anything
 
 
+class LengthLM(HybridLM):
+    """Logits that depend on how many tokens a call holds (after every block matched): a forward
+    without ``return_hidden``, so SeCO's check compares the logits it returns."""
+
+    def forward(self, input_ids=None, state=None, labels=None, *, targets=None, inputs_embeds=None):
+        logits, state = super().forward(input_ids, state, inputs_embeds=inputs_embeds)
+        return logits + 0.1 * logits.shape[1], state
+
+
+@pytest.mark.parametrize("slice_tokens", [3, 4096], ids=["sliced", "whole"])
+def test_startup_check_compares_the_logits_slice_by_slice(slice_tokens, monkeypatch):
+    monkeypatch.setattr(seco_engine, "LOSS_SLICE", slice_tokens)
+    model = hybrid(8)
+    ids, labels = data(8)
+    batch = {"input_ids": ids, "labels": labels}
+    assert check_chunked_forward(model, batch, 4)[-1] <= 1e-12
+    lengthy = hybrid(8, model_cls=LengthLM)
+    errors = check_chunked_forward(lengthy, batch, T)  # one chunk: the same logits
+    assert max(errors) <= 1e-12
+    with pytest.raises(SeCOCheckError, match=re.escape("the logits (after every block matched) differ")):
+        check_chunked_forward(lengthy, batch, 4)
+
+
 # ---- kv_offload -------------------------------------------------------------------------------
 def test_kv_offload_gives_identical_gradients():
     model = hybrid(9)
