@@ -376,9 +376,10 @@ def _meta(device: torch.device, args: dict) -> dict:
                              "chunked cross-entropy over chunk_size slices (logits recomputed in backward)",
             "seco": "seco_engine.seco_step (block_size, loss_slice: see those; rows without loss_slice ran "
                     "before it existed, with each chunk's whole logits), no activation checkpointing in a chunk",
-            "seco_attention_backward": ("PyTorch's flash backward per block (chunk_attention, HYBRIDZOO_SECO_FLASH=1)"
-                                        if chunk_attention.FLASH_ON_CUDA else
-                                        "hybridzoo's Triton prefix backward (prefix_attention, the default)"),
+            "seco_attention_backward": ("PyTorch's flash backward per block (chunk_attention; on CUDA with "
+                                        "--flash-backward / HYBRIDZOO_SECO_FLASH=1)"
+                                        if chunk_attention.FLASH_ON_CUDA or device.type == "cpu" else
+                                        "hybridzoo's Triton prefix backward (prefix_attention, the CUDA default)"),
             "memory": "torch.cuda.max_memory_allocated after reset_peak_memory_stats" if device.type == "cuda"
                       else "PyTorch profiler CPU allocation events (bytes allocated inside the step at their peak)",
         },
@@ -426,8 +427,11 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
 
     for spec in recipes:
         # rows of another chunk or loss slice are other rows (rows before loss_slice existed: None)
-        key = lambda tokens, mode: (spec, tokens, mode, chunk_size, loss_slice)  # noqa: E731
-        done = {(r["recipe"], r["tokens"], r["mode"], r["chunk_size"], r.get("loss_slice")) for r in rows}
+        # and of the other attention backward (rows before it was recorded: the Triton one)
+        flash = chunk_attention.FLASH_ON_CUDA
+        key = lambda tokens, mode: (spec, tokens, mode, chunk_size, loss_slice, flash)  # noqa: E731
+        done = {(r["recipe"], r["tokens"], r["mode"], r["chunk_size"], r.get("loss_slice"), r.get("flash_backward", False))
+                for r in rows}
         todo = [(tokens, mode) for tokens in lengths for mode in modes if key(tokens, mode) not in done]
         if not todo:
             continue
@@ -477,6 +481,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         reference: dict[int, tuple[str, list[torch.Tensor]]] = {}
         for tokens, mode in todo:
             row = {"recipe": spec, "mode": mode, "tokens": tokens, "chunk_size": chunk_size, "loss_slice": loss_slice,
+                   "flash_backward": flash,
                    "predicted_bytes_per_token": info["memory_model"].get(mode, {}).get("device")}
             earlier = sorted((r for r in rows if r["recipe"] == spec and r["mode"] == mode and r["tokens"] < tokens
                               and r["chunk_size"] == chunk_size and r["status"] != "ok"), key=lambda r: r["tokens"])
@@ -691,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "cross-entropy slices (default 4096)")
     parser.add_argument("--loss-slice", type=int, default=LOSS_SLICE,
                         help=f"SeCO's loss_slice: tokens of logits at a time (default {LOSS_SLICE}; 0 = the whole chunk)")
+    parser.add_argument("--flash-backward", action="store_true",
+                        help="SeCO's attention backward by PyTorch's flash backward per block on CUDA "
+                             "(hybridzoo.layers.chunk_attention; same as HYBRIDZOO_SECO_FLASH=1)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="K/V prefix positions per attention call in SeCO (default: the chunk size); larger "
                              "blocks mean fewer calls at long lengths")
@@ -733,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size = args.chunk_size or 4096
         out = args.out or f"benchmarks/results/{datetime.date.today()}-seco-h200.json"
     torch.set_float32_matmul_precision(args.fp32_matmul)
+    if args.flash_backward:
+        chunk_attention.FLASH_ON_CUDA = True
     recipes = [r.strip() for r in recipes.split(",") if r.strip()]
     lengths = sorted({parse_tokens(t) for t in lengths.split(",") if t.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
