@@ -79,9 +79,10 @@ def chunk_attention(
     """
     _check_store_call("chunk_attention", q, k_store, v_store, length, block_size, k_grad, v_grad)
     own = (q.shape[0], q.shape[1], k_store.shape[2], q.shape[3])
-    if k.shape != own or v.shape != own:
-        raise ValueError(f"chunk_attention: the chunk's own k and v must be [B, T, Hk, D] = {list(own)}, "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != own or v.shape != own or v_store.shape[3] != q.shape[3]:
+        raise ValueError(f"chunk_attention: the chunk's own k and v must be [B, T, Hk, D] = {list(own)} and "
+                         f"the value store's head size D (flash attention), got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} and a value store {tuple(v_store.shape)}")
     return _ChunkAttention.apply(q, k, v, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend)
 
 

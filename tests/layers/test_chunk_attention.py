@@ -92,6 +92,8 @@ def test_where_it_applies():
         chunk_attention(q, q[:, :, :1], q[:, :, :1], store, store, 0, block_size=2, scale=1.0)
     with pytest.raises(ValueError, match="own k and v"):
         chunk_attention(q, q, q, store, store, 2, block_size=2, scale=1.0)
+    with pytest.raises(ValueError, match="value store's head size"):
+        chunk_attention(q, q[:, :, :1], q[:, :, :1], store, torch.zeros(1, 4, 1, 6), 2, block_size=2, scale=1.0)
     with pytest.raises(ValueError, match="k_grad must have"):
         chunk_attention(q, q[:, :, :1], q[:, :, :1], store, store, 2, block_size=2, scale=1.0,
                         k_grad=torch.zeros(1, 3, 1, 8))

@@ -187,7 +187,7 @@ def test_dispatch_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_long_sequence(dtype, head_dim):
     """T = 16384 (ragged by 5), Hk=2 serving H=4, resets every 4000 tokens, chunk 64: outputs,
     final state and every gradient vs the float64 reference; fp32 <= 1e-4, bf16 <= 1e-2."""
