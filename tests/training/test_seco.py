@@ -516,11 +516,20 @@ def test_cuda_float32_matches_full_backprop(offload):
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_autocast_passes_the_check_and_tracks_full_backprop():
+@pytest.mark.parametrize("flash", [False, True], ids=["triton-prefix-backward", "flash-backward"])
+def test_cuda_bf16_autocast_passes_the_check_and_tracks_full_backprop(flash, monkeypatch):
     """Under bf16 autocast SeCO and full backprop are two roundings of the same gradient: both are
     measured against the float32 gradient (no autocast), and SeCO's error must stay of the order
     of full backprop's own. (Comparing the two bf16 runs with each other, as this test first did,
-    asked for 3e-2 between two results each ~3e-2 off; they differed by 5.8e-2 on an H200.)"""
+    asked for 3e-2 between two results each ~3e-2 off; they differed by 5.8e-2 on an H200.)
+    ``flash``: the attention backward of hybridzoo.layers.chunk_attention (opt-in on CUDA),
+    checked to be the path taken."""
+    from hybridzoo.layers import chunk_attention as chunk_module
+
+    monkeypatch.setattr(chunk_module, "FLASH_ON_CUDA", flash)
+    calls = []
+    real = chunk_module._flash_block_backward
+    monkeypatch.setattr(chunk_module, "_flash_block_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = cuda_hybrid(15)
     ids, labels = (t.cuda() for t in data(15, length=256))
     full_backprop(model, input_ids=ids, labels=labels)
@@ -535,3 +544,4 @@ def test_cuda_bf16_autocast_passes_the_check_and_tracks_full_backprop():
     full_err, seco_err = rel_err(flat(ref), flat(exact)), rel_err(flat(grads), flat(exact))
     assert max(errors) <= 3e-2, errors
     assert seco_err <= 2 * full_err + 1e-2, (seco_err, full_err)
+    assert bool(calls) == flash
