@@ -99,6 +99,19 @@ def test_where_it_applies():
                         k_grad=torch.zeros(1, 3, 1, 8))
 
 
+def test_cuda_flash_backward_call_is_well_formed_on_meta_tensors():
+    """The CUDA branch of _flash_block_backward (aten._scaled_dot_product_flash_attention_backward,
+    undefined varlen tensors, uint64 RNG placeholders) accepted by the op's schema and meta kernel,
+    with GQA's K/V gradients summed back to the K/V heads: shapes and dtypes, no GPU needed."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, o, d_o = (torch.empty(1, 16, 8, 256, **meta) for _ in range(3))
+    k, v = torch.empty(1, 32, 2, 256, **meta), torch.empty(1, 32, 2, 256, **meta)
+    lse = torch.empty(1, 16, 8, device="meta", dtype=torch.float32)
+    dq, dk, dv = chunk_module._flash_block_backward(d_o, q, k, v, o, lse, 0.0625, causal=False)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_gpu_flash_path_real_shapes(head_dim, monkeypatch):
