@@ -17,7 +17,11 @@ heads, ``Hk`` K/V heads (query head ``h`` uses K/V head ``h // (H / Hk)``) and h
 The state is a :class:`KVState`: the rotated keys and the values seen so far, in one buffer that
 is appended to in place (see :class:`KVState` for when a copy is made instead). SeCO passes a
 :class:`BlockKVState` instead: one store for the whole sequence, attended block by block, whose
-backward adds the prefix's K/V gradients into one buffer (full attention only).
+backward adds the prefix's K/V gradients into one buffer (full attention only). That call runs
+through :func:`~hybridzoo.layers.chunk_attention.chunk_attention` (prefix and own keys in one
+Function, PyTorch's flash backward per block) where it applies, i.e. on the CPU and, opt-in, on
+CUDA; otherwise through :func:`~hybridzoo.layers.prefix_attention.block_prefix_attention` merged
+with the call's own causal attention.
 """
 
 from __future__ import annotations

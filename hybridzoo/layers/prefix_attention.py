@@ -1,4 +1,5 @@
-"""Attention of a chunk's queries to a long K/V prefix, read block by block (used by SeCO).
+"""Attention of a chunk's queries to a long K/V prefix, read block by block (used by SeCO where
+:mod:`hybridzoo.layers.chunk_attention` does not apply: by default on CUDA).
 
 The prefix lives in one store ``[B, capacity, Hk, D]`` per layer, on the activations' device or
 in (pinned) host memory. :func:`block_prefix_attention` attends to its first ``length`` positions

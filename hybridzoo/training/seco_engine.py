@@ -290,7 +290,9 @@ def _check_offload(model: nn.Module, batch_size: int, length: int, num_chunks: i
 
 # ---- the per-layer states --------------------------------------------------------------------
 class _Layers:
-    """Which state each block carries in SeCO, and how to save / restore / relay it."""
+    """Which state each block carries in SeCO, how to save / restore / relay it, and how the
+    chunk outputs become logits (``head``: the model's LM head when its ``forward`` can return
+    hidden states, which SeCO then slices; else an identity on the logits it returns)."""
 
     def __init__(self, model: nn.Module, length: int, block_size: int, offload: bool,
                  device: torch.device):
