@@ -185,6 +185,12 @@ def test_dispatch_and_errors():
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 
+def test_head_dim_256():
+    """K = V = 256, the largest head the op takes (the GPU test runs it at T 16384): a short
+    ragged sequence with an initial state, every output and gradient vs float64."""
+    check(make_inputs(B=1, T=40, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -180,6 +180,13 @@ def test_per_key_ragged_chunks_every_sub_chunk():
     check("per_key", seed=14, B=2, T=180, K=24, V=16, chunk_size=64, resets=(16, 144, 176))
 
 
+@pytest.mark.parametrize("decay", DECAYS)
+def test_head_dim_256(decay):
+    """K = V = 256, the largest head the kernels take (the GPU tests run it at T 16384): here on a
+    short ragged sequence, every output and gradient vs float64."""
+    check(decay, seed=30, B=1, T=40, Hk=1, H=2, K=256, V=256, chunk_size=16)
+
+
 def test_head_dims_over_one_tile():
     """K=80, V=40: keys span two 64-wide tiles (the GPU tiling), the second one ragged."""
     check("per_key", seed=13, T=24, K=80, V=40, chunk_size=16)
