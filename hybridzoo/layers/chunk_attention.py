@@ -33,7 +33,7 @@ import os
 import torch
 
 from hybridzoo.kernels import attention, merge_attention
-from hybridzoo.layers.prefix_attention import _block_attention, _blocks, _check_store_call, _read
+from hybridzoo.layers.prefix_attention import _check_store_call, prefix_backward, prefix_forward
 
 FLASH_ON_CUDA = os.environ.get("HYBRIDZOO_SECO_FLASH", "0") == "1"
 
@@ -90,15 +90,9 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend):
         q, k, v = q.detach(), k.detach(), v.detach()  # one compiled flex variant (see prefix_attention)
-        wide = torch.promote_types(q.dtype, torch.float32)  # merged in float32 at least
-        o = lse = None
-        for start, end in _blocks(length, block_size):
-            o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
-                                          _read(v_store, start, end, q.device), scale, backend)
-            o_b = o_b.to(wide)
-            o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
+        o, lse = prefix_forward(q, k_store, v_store, length, block_size, scale, backend)
         o_own, lse_own = attention(q, k, v, scale=scale, return_lse=True, backend=backend)
-        o, lse = merge_attention(o, lse, o_own.to(wide), lse_own)
+        o, lse = merge_attention(o, lse, o_own.to(o.dtype), lse_own)  # o: float32 at least
         o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.stores = (k_store, v_store, k_grad, v_grad)
@@ -110,43 +104,45 @@ class _ChunkAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         k_store, v_store, k_grad, v_grad = ctx.stores
         length, block_size, scale = ctx.meta
-        d_o = d_o.to(q.dtype)
-        dq, dk, dv = _flash_block_backward(d_o, q, k, v, o, lse, scale, causal=True)
+        block_grads = _flash_block_grads(q, o, lse, d_o.to(q.dtype), scale)
+        dq, dk, dv = block_grads(k, v, causal=True)
         dq = dq.to(torch.promote_types(q.dtype, torch.float32))
-        for start, end in _blocks(length, block_size):
-            k_b = _read(k_store, start, end, q.device).to(q.dtype)
-            v_b = _read(v_store, start, end, q.device).to(q.dtype)
-            dq_b, dk_b, dv_b = _flash_block_backward(d_o, q, k_b, v_b, o, lse, scale, causal=False)
-            dq += dq_b
-            if k_grad is not None:
-                k_grad[:, start:end] += dk_b.to(k_grad.dtype)
-            if v_grad is not None:
-                v_grad[:, start:end] += dv_b.to(v_grad.dtype)
+        prefix_backward(lambda k_b, v_b: block_grads(k_b.to(q.dtype), v_b.to(q.dtype), causal=False),
+                        k_store, v_store, k_grad, v_grad, length, block_size, q.device, dq)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
-def _flash_block_backward(d_o, q, k, v, o, lse, scale: float, causal: bool):
-    """PyTorch's flash-attention backward of one block against the merged ``(o, lse)``.
+def _flash_block_grads(q, o, lse, d_o, scale: float):
+    """``(k, v, causal) -> (dq, dk, dv)``: PyTorch's flash-attention backward of one block against
+    the merged ``(o, lse)``, the query side (layout, contiguity) prepared once for every block.
 
-    ``d_o, q, o [B, T, H, D]``, ``k, v [B, S, Hk, D]`` (one dtype), ``lse [B, T, H]`` (natural
-    log, float32; float64 for float64). ``causal``: key ``s`` visible to query ``t`` iff
-    ``s <= t`` (the chunk's own block, S = T). Returns ``(dq [B, T, H, D], dk, dv [B, S, Hk, D])``."""
-    groups = q.shape[2] // k.shape[2]
-    heads = (lambda x: x.repeat_interleave(groups, dim=2)) if groups > 1 else (lambda x: x)
+    ``d_o, q, o [B, T, H, D]`` (one dtype), ``lse [B, T, H]`` (natural log, float32; float64 for
+    float64); a block's ``k, v [B, S, Hk, D]`` in q's dtype. ``causal``: key ``s`` visible to
+    query ``t`` iff ``s <= t`` (the chunk's own block, S = T). Returns ``dq [B, T, H, D]`` and
+    ``dk, dv [B, S, Hk, D]``."""
     qt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, o, d_o))      # [B, H, T, D]
-    kt, vt = (heads(x).transpose(1, 2).contiguous() for x in (k, v))         # [B, H, S, D]
     lse_t = lse.transpose(1, 2).contiguous()                                  # [B, H, T]
-    if q.device.type != "cpu":  # CUDA (and the meta device, where tests check this call's form)
+    on_cpu = q.device.type == "cpu"  # else CUDA (or the meta device, where tests check the call)
+    if not on_cpu:
+        lse_t = lse_t.float()
         seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
         offset = torch.zeros((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dot, qt, kt, vt, ot, lse_t.float(), None, None, qt.shape[2], kt.shape[2], 0.0, causal,
-            seed, offset, scale=scale)
-    else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dot, qt, kt, vt, ot, lse_t, 0.0, causal, scale=scale)
-    B, H, S, D = dk.shape
-    if groups > 1:  # sum the gradients of the query heads that share a K/V head
-        dk = dk.view(B, H // groups, groups, S, D).sum(2)
-        dv = dv.view(B, H // groups, groups, S, dv.shape[-1]).sum(2)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def block_grads(k, v, causal: bool):
+        groups = q.shape[2] // k.shape[2]
+        kt, vt = ((x.repeat_interleave(groups, dim=2) if groups > 1 else x).transpose(1, 2).contiguous()
+                  for x in (k, v))                                            # [B, H, S, D]
+        if on_cpu:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse_t, 0.0, causal, scale=scale)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse_t, None, None, qt.shape[2], kt.shape[2], 0.0, causal,
+                seed, offset, scale=scale)
+        B, H, S, D = dk.shape
+        if groups > 1:  # sum the gradients of the query heads that share a K/V head
+            dk = dk.view(B, H // groups, groups, S, D).sum(2)
+            dv = dv.view(B, H // groups, groups, S, dv.shape[-1]).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    return block_grads

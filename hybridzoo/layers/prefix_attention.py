@@ -116,19 +116,12 @@ def _read(store: torch.Tensor, start: int, end: int, device: torch.device) -> to
 class _BlockPrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_store, v_store, k_grad, v_grad, length, block_size, scale, backend):
-        o = lse = None
         # a q that does not track gradients (none is taken here: backward() does its own): on CUDA
         # flex_attention compiles one variant per input signature, and a second one per block
         # length for stage 2's grad-tracking q pushed SeCO's prefix blocks (4 lengths at block
         # 16384, chunk 4096) over torch.compile's limit of 8 into flex's unfused fallback
         q = q.detach()
-        for start, end in _blocks(length, block_size):
-            o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
-                                          _read(v_store, start, end, q.device), scale, backend)
-            # merged in float32 (at least): merge_attention returns its first argument's dtype,
-            # and rounding the running output to 16 bits after every block compounds over blocks
-            o_b = o_b.to(torch.promote_types(o_b.dtype, torch.float32))
-            o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
+        o, lse = prefix_forward(q, k_store, v_store, length, block_size, scale, backend)
         o = o.to(q.dtype)
         ctx.save_for_backward(q, o, lse)
         ctx.stores = (k_store, v_store, k_grad, v_grad)
@@ -154,15 +147,38 @@ class _BlockPrefixAttention(torch.autograd.Function):
                                                 (need_q, k_grad is not None, v_grad is not None))
         dtype = torch.promote_types(torch.float32, q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device) if need_q else None
-        for start, end in _blocks(length, block_size):
-            dq_b, dk_b, dv_b = block_grads(_read(k_store, start, end, q.device), _read(v_store, start, end, q.device))
-            if need_q:
-                dq += dq_b
-            if k_grad is not None:
-                k_grad[:, start:end] += dk_b.to(k_grad.dtype)
-            if v_grad is not None:
-                v_grad[:, start:end] += dv_b.to(v_grad.dtype)
+        prefix_backward(block_grads, k_store, v_store, k_grad, v_grad, length, block_size, q.device, dq)
         return (dq.to(q.dtype) if need_q else None), None, None, None, None, None, None, None, None
+
+
+def prefix_forward(q, k_store, v_store, length: int, block_size: int, scale: float, backend: str):
+    """``(o, lse)`` of ``q`` (not tracking gradients) over the store's first ``length`` positions,
+    block by block, merged by log-sum-exp: ``o`` in float32 at least (merge_attention returns its
+    first argument's dtype, and rounding the running output to 16 bits after every block would
+    compound over blocks), ``lse`` float32 (float64 for float64 q). Shared with
+    :mod:`~hybridzoo.layers.chunk_attention`."""
+    o = lse = None
+    for start, end in _blocks(length, block_size):
+        o_b, lse_b = _block_attention(q, _read(k_store, start, end, q.device),
+                                      _read(v_store, start, end, q.device), scale, backend)
+        o_b = o_b.to(torch.promote_types(o_b.dtype, torch.float32))
+        o, lse = (o_b, lse_b) if o is None else merge_attention(o, lse, o_b, lse_b)
+    return o, lse
+
+
+def prefix_backward(block_grads, k_store, v_store, k_grad, v_grad, length: int, block_size: int,
+                    device: torch.device, dq: torch.Tensor | None) -> None:
+    """For each prefix block: ``block_grads(k_b, v_b) -> (dq_b, dk_b, dv_b)``; ``dq_b`` is added
+    into ``dq`` (when given), ``dk_b`` / ``dv_b`` into ``k_grad`` / ``v_grad`` at the block's
+    positions (when given), in place. Shared with :mod:`~hybridzoo.layers.chunk_attention`."""
+    for start, end in _blocks(length, block_size):
+        dq_b, dk_b, dv_b = block_grads(_read(k_store, start, end, device), _read(v_store, start, end, device))
+        if dq is not None:
+            dq += dq_b
+        if k_grad is not None:
+            k_grad[:, start:end] += dk_b.to(k_grad.dtype)
+        if v_grad is not None:
+            v_grad[:, start:end] += dv_b.to(v_grad.dtype)
 
 
 def _block_attention(q, k_block, v_block, scale, backend):

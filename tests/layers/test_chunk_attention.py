@@ -100,14 +100,14 @@ def test_where_it_applies():
 
 
 def test_cuda_flash_backward_call_is_well_formed_on_meta_tensors():
-    """The CUDA branch of _flash_block_backward (aten._scaled_dot_product_flash_attention_backward,
+    """The CUDA branch of _flash_block_grads (aten._scaled_dot_product_flash_attention_backward,
     undefined varlen tensors, uint64 RNG placeholders) accepted by the op's schema and meta kernel,
     with GQA's K/V gradients summed back to the K/V heads: shapes and dtypes, no GPU needed."""
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, o, d_o = (torch.empty(1, 16, 8, 256, **meta) for _ in range(3))
     k, v = torch.empty(1, 32, 2, 256, **meta), torch.empty(1, 32, 2, 256, **meta)
     lse = torch.empty(1, 16, 8, device="meta", dtype=torch.float32)
-    dq, dk, dv = chunk_module._flash_block_backward(d_o, q, k, v, o, lse, 0.0625, causal=False)
+    dq, dk, dv = chunk_module._flash_block_grads(q, o, lse, d_o, 0.0625)(k, v, causal=False)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
@@ -120,8 +120,13 @@ def test_gpu_flash_path_real_shapes(head_dim, monkeypatch):
     2000-position prefix in blocks of 768 (a partial last block), GQA 8/2."""
     monkeypatch.setattr(chunk_module, "FLASH_ON_CUDA", True)
     calls = []
-    real = chunk_module._flash_block_backward
-    monkeypatch.setattr(chunk_module, "_flash_block_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = chunk_module._flash_block_grads
+
+    def counting(*args):
+        block_grads = real(*args)
+        return lambda *a, **k: calls.append(1) or block_grads(*a, **k)
+
+    monkeypatch.setattr(chunk_module, "_flash_block_grads", counting)
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     b, t, p, h, hk = 1, 512, 2000, 8, 2
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
