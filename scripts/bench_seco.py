@@ -251,17 +251,11 @@ class MemoryProbe:
 
 
 # ---- the steps ------------------------------------------------------------------------------------
-def _hidden_states(model: HybridLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """The final-norm hidden states ``[B, T, d_model]`` (the LM head not applied)."""
-    hidden, _ = model(input_ids=input_ids, return_hidden=True)
-    return hidden
-
-
 def full_backprop_step(model: HybridLM, batch: dict, loss_chunk: int) -> torch.Tensor:
     """Forward + backward of the whole sequence (gradients into ``.grad``); the mean loss is the
     sum of per-slice cross-entropies, each slice's logits recomputed in backward. Returns the loss."""
     ids, targets, head = batch["input_ids"], batch["targets"], model.lm_head
-    hidden = _hidden_states(model, ids)
+    hidden, _ = model(input_ids=ids, return_hidden=True)  # final-norm hidden states, no LM head
     count = (targets != -100).sum().clamp(min=1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, ids.shape[1], loss_chunk):

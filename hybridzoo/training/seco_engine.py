@@ -183,15 +183,19 @@ def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, targets, reduction="sum")
 
 
+def _head_slices(head: nn.Module, hidden: torch.Tensor, size: int):
+    """``(start, end, head(hidden[:, start:end]))`` for slices of ``size`` tokens of ``hidden``
+    ``[B, T, d_model]``: one slice's logits at a time."""
+    for start, end in _chunks(hidden.shape[1], size):
+        yield start, end, head(hidden[:, start:end])
+
+
 def _sliced_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                      loss_slice: int) -> torch.Tensor:
     """Stage 1 (no grad): the summed cross-entropy of ``head(hidden)`` ``[B, T, d_model]``,
     ``loss_slice`` tokens of logits at a time."""
-    total = None
-    for start, end in _chunks(hidden.shape[1], loss_slice):
-        part = _loss_sum(head(hidden[:, start:end]), targets[:, start:end])
-        total = part if total is None else total + part
-    return total
+    return sum(_loss_sum(logits, targets[:, start:end])
+               for start, end, logits in _head_slices(head, hidden, loss_slice))
 
 
 def _loss_roots(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
@@ -638,9 +642,9 @@ def check_chunked_forward(
             finite = [True]
 
             def compare_logits(hidden):
-                for start, end in _chunks(hidden.shape[1], LOSS_SLICE):
-                    logits = layers.head(hidden[:, start:end])
-                    ref = layers.head(full_hidden[:, offset[0] + start:offset[0] + end])
+                same_tokens = full_hidden[:, offset[0]:offset[0] + hidden.shape[1]]
+                for (_, _, logits), (_, _, ref) in zip(_head_slices(layers.head, hidden, LOSS_SLICE),
+                                                       _head_slices(layers.head, same_tokens, LOSS_SLICE)):
                     finite[0] &= bool(torch.isfinite(logits).all())
                     sums[0] += (logits.double() - ref.double()).square().sum()
                     sums[1] += ref.double().square().sum()
