@@ -17,7 +17,8 @@
 #   kprof=<rows>                 scripts/profile_kernels.py --only <rows>: GPU time per kernel
 #   seco=<recipe>@<lengths>[@<modes>[@<args>]]   scripts/bench_seco.py $SECO_ARGS <args> --resume into
 #                                seco_<recipe>.json (a previous one under .gpu_in/, carried, is continued);
-#                                <args>: this job's own options, commas for spaces (--chunk-size=16384)
+#                                <args>: this job's own options, commas for spaces (--chunk-size=16384);
+#                                lane n > 0 writes seco_<recipe>.lane<n>.json (resumed from .gpu_in/ too)
 #   mqar=<recipes>[@<setting>]   scripts/mqar_sweep.py --setting gpu (or <setting>) $MQAR_ARGS for those
 #                                recipes (comma separated)
 #   profile=<recipe>@<tokens>[@<args>]   scripts/profile_step.py (<args>: commas for spaces, e.g.
@@ -76,9 +77,10 @@ run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
            timeout "$lim" python3 scripts/bench_kernels.py --only "$arg" --append --out "$RES/bench_kernels.json" \
              >> "$RES/bench_kernels.log" 2>&1 ;;
     seco) IFS=@ read -r recipe lengths modes extra <<< "$arg"
+          local tag=""; [ "$LANE" != 0 ] && tag=".lane$LANE"  # lanes never share a results file
           timeout "$lim" python3 scripts/bench_seco.py --recipes "$recipe" --lengths "$lengths" \
-            ${modes:+--modes $modes} ${SECO_ARGS:-} ${extra:+${extra//,/ }} --resume --out "$RES/seco_$recipe.json" \
-            >> "$RES/seco_$recipe.log" 2>&1 ;;
+            ${modes:+--modes $modes} ${SECO_ARGS:-} ${extra:+${extra//,/ }} --resume --out "$RES/seco_$recipe$tag.json" \
+            >> "$RES/seco_$recipe$tag.log" 2>&1 ;;
     mqar) IFS=@ read -r recipes setting <<< "$arg"
           timeout "$lim" python3 scripts/mqar_sweep.py --setting "${setting:-gpu}" --device cuda --recipes "$recipes" ${MQAR_ARGS:-} \
             --out-dir "$RES/mqar_$LANE" --name mqar --runs-dir /tmp/mqar_runs \

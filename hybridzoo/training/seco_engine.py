@@ -8,10 +8,11 @@
 **Stage 1** (no grad): run the chunks in order with carried states. Every full-attention layer
 writes its K/V into one store for the whole sequence (a :class:`BlockKVState`); every other layer
 (recurrent states + conv tails, sliding-window K/V) has a bounded *Markov* state, saved at each
-chunk boundary. Each chunk's RNG state is saved too. The LM head is not applied: a recomputed
-chunk's loss comes from its stage-2 forward (only chunks that SpaCO skips get their loss here),
-which saves stage 1 the head's matmul (for qwen35-0.8b's 248k-token vocabulary about a third of
-a forward's matmul FLOPs).
+chunk boundary. Each chunk's RNG state is saved too. The last chunk is not run (nothing after it
+reads its states or K/V; stage 2 recomputes it first), unless SpaCO skips it. The LM head is not
+applied: a recomputed chunk's loss comes from its stage-2 forward (only chunks that SpaCO skips get
+their loss here), which saves stage 1 the head's matmul (for qwen35-0.8b's 248k-token vocabulary
+about a third of a forward's matmul FLOPs).
 
 **Stage 2** (reverse sweep, chunk k-1 down to 0): recompute chunk j with grad from its saved
 states and RNG state, then one ``torch.autograd.backward`` of
@@ -366,18 +367,22 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
 
 
 def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
-                    loss_slice: int | None = None, on_chunk=None, with_loss=None):
+                    loss_slice: int | None = None, on_chunk=None, with_loss=None, run_last: bool = True):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
     RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
     of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
     at a time (None: a whole chunk); ``on_chunk(x)`` (the startup check) gets each chunk's
-    output before the LM head (``layers.head`` makes the logits of it)."""
+    output before the LM head (``layers.head`` makes the logits of it). ``run_last=False``
+    records the last chunk's incoming states and RNG state but does not run it: nothing of its
+    forward is needed when stage 2 recomputes it (no later chunk reads its states or K/V)."""
     states = layers.initial()
     saved, rngs, total = [], [], None
     device = layers.device
     for j, (start, end) in enumerate(bounds):
         rngs.append(_get_rng(device))
         saved.append(layers.save(states) if j > 0 else [None] * len(states))
+        if j == len(bounds) - 1 and not run_last:
+            break
         hidden, states = _call(model, layers, ids, embeds, start, end, states)
         if on_chunk is not None:
             on_chunk(hidden)
@@ -450,10 +455,12 @@ def seco_step(
     weights = _select(k, spaco_budget, selection, generator)
 
     # ---- stage 1: no-grad pass building the K/V stores and the boundary states ----------
+    # (the last chunk only when SpaCO skips it, for its loss; stage 2 recomputes it otherwise)
+    run_last = weights[-1] == 0
     with torch.no_grad():
         total, final_states, saved, rngs = _forward_chunks(
             model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice,
-            with_loss=[w == 0 for w in weights])
+            with_loss=[w == 0 for w in weights], run_last=run_last)
     stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
               if isinstance(state, BlockKVState)}
     del final_states
@@ -501,6 +508,8 @@ def seco_step(
                     if embeds_leaf is not None and not last:
                         x = embeds_leaf
                     hidden, out_states = _call(model, layers, ids, x, start, end, states)
+                    if j == k - 1 and not run_last:  # the RNG leaves the step past every chunk's draws
+                        end_rng = _get_rng(device)
                     # the chunk's loss (scaled by its SpaCO weight), a slice of logits at a time
                     tensors, grads, summed = _loss_roots(layers.head, hidden, targets[:, start:end], weight,
                                                          count, loss_slice)

@@ -101,6 +101,26 @@ def test_gradients_equal_full_backprop(seed, chunk):
     assert_close(take_grads(model, embeds), ref)
 
 
+@pytest.mark.parametrize("selection", [None, (True, False, True), (True, True, False)],
+                         ids=["seco", "spaco-last-kept", "spaco-last-skipped"])
+def test_stage_one_skips_the_last_chunk_unless_spaco_does(selection):
+    """Exact SeCO runs 2k - 1 chunk forwards (stage 1 stops before the last chunk, which stage 2
+    recomputes first); when SpaCO skips the last chunk, stage 1 runs it for its loss."""
+    model = hybrid(2)
+    ids, labels = data(2, length=15)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        budget = None if selection is None else 2
+        result = seco_step(model, {"input_ids": ids, "labels": labels}, 5, spaco_budget=budget, selection=selection)
+    finally:
+        hook.remove()
+    stage_one = 3 if selection is not None and not selection[-1] else 2
+    assert len(calls) == stage_one + sum(result.selected)
+    _, _, ref_loss = model(input_ids=ids, labels=labels)
+    assert abs(float(result.loss - ref_loss)) <= 1e-12
+
+
 @pytest.mark.parametrize("loss_slice", [1, 2, 5, None], ids=lambda s: f"slice{s}")
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("defer_last", [False, True], ids=["backward", "deferred"])
