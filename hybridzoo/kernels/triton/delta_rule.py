@@ -276,12 +276,23 @@ class _Config:
         # Key block of the WY kernels (several blocks are tested under the interpreter; on a GPU
         # at least 32 wide, see BK).
         self.bkw = 16 if launch.interpret() else min(self.BK, 64)
+        # Value block and warps of the WY kernels. They hold no [BK, BV] state, so above K = 128
+        # they keep K = 128's launch (64-wide value tiles, launch.warps) instead of the 32-wide
+        # value tiles the state kernels need there: at K = V = 256 in bf16, _wy_fwd_kernel with
+        # [64, 64] x [64, 32] dots and 4 warps made an illegal memory access on an H200 with
+        # Triton 3.6 (session 7; fp32 at K = 256 and bf16 at K = 128 passed).
+        self.bvw = self.BV if self.BK <= 128 else min(64, max(32, triton.next_power_of_2(self.V)))
+        self.warps_wy = self.warps if self.BK <= 128 else launch.warps(self.bkw, self.bvw)
         # the sequential kernels' chunk count as a constant under the interpreter, else 0
         self.n_interp = launch.loop_count(self.N)
 
     def consts(self) -> dict:
         return dict(H=self.H, G=self.G, K=self.K, V=self.V, C=self.C, BK=self.BK, BV=self.BV,
                     PREC=self.prec, num_warps=self.warps, num_stages=self.stages)
+
+    def wy_consts(self) -> dict:
+        """:meth:`consts` for the WY kernels (their own value block and warps, see ``bvw``)."""
+        return dict(self.consts(), BV=self.bvw, BKW=self.bkw, num_warps=self.warps_wy)
 
     def state_launch(self) -> tuple:
         """``(grid, constants, fixed)`` of an autotuned state kernel for :func:`launch.run`: the
@@ -299,7 +310,7 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
     """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, all float32."""
     B, T, H, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.C, cfg.N
     tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K), cfg.buf(B, T, H, V)
-    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, BKW=cfg.bkw, **cfg.consts())
+    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.wy_consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
     grid, consts, fixed = cfg.state_launch()

@@ -225,7 +225,7 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     dv = cfg.buf(B, T, H, V, dtype=v.dtype)
     dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)
     _bwd_wy_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, dvn, dw, dg, dk, dv, dbeta, dla, T, N,
-                               BKW=cfg.bkw, **consts)
+                               **cfg.wy_consts())
     dq = launch.sum_head_groups(dq, Hk, q.dtype)
     dk = launch.sum_head_groups(dk, Hk, k.dtype)
     return dq, dk, dv, dla.to(log_a.dtype), dbeta.to(beta.dtype), dh0

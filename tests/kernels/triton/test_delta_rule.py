@@ -191,6 +191,23 @@ def test_head_dim_256():
     check(make_inputs(B=1, T=40, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
 
 
+@pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (128, 128), (64, 64)])
+def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
+    """The GPU launch settings (interpreter off): the WY kernels hold no [BK, BV] state, so above
+    K = 128 they keep 64-wide value tiles and launch.warps (bf16 K = V = 256 with the state
+    kernels' 32-wide value tiles and 4 warps faulted on an H200); up to K = 128 they share the
+    other kernels' settings."""
+    from hybridzoo.kernels.triton import delta_rule, launch
+
+    monkeypatch.setattr(launch, "interpret", lambda: False)
+    cfg = delta_rule._Config(torch.empty(1, 8, 1, K), torch.empty(1, 8, 1, V), 64)
+    wy = cfg.wy_consts()
+    if K > 128:
+        assert cfg.BV == 32 and wy["BV"] == 64 and wy["BKW"] == 64 and wy["num_warps"] == launch.warps(64, 64)
+    else:
+        assert (wy["BV"], wy["num_warps"], wy["BKW"]) == (cfg.BV, cfg.warps, min(cfg.BK, 64))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
