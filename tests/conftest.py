@@ -34,6 +34,43 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _cuda_context_dead() -> bool:
+    """True when the CUDA context is broken (a sticky error such as an illegal memory access:
+    every later CUDA call of the process raises)."""
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error here means the context cannot run tests
+        return True
+    return False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a failed GPU test, end this process if its CUDA context is dead, so that one kernel
+    fault is reported once (by the test that made it) instead of failing every later test of the
+    process: a pytest-xdist worker exits and is replaced by a fresh one, which runs the remaining
+    tests; a plain run stops with a message."""
+    failed = getattr(item, "_cuda_failed", False)
+    if not failed or not torch.cuda.is_available() or not _cuda_context_dead():
+        return
+    message = f"{item.nodeid} left the CUDA context unusable (a kernel fault); ending this process"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(message + "; pytest-xdist starts a fresh worker\n")
+        sys.stderr.flush()
+        os._exit(3)
+    pytest.exit(message, returncode=3)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and "gpu" in item.keywords:
+        item._cuda_failed = True
+    return report
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors: intra-op threads only add overhead (and fight other processes for the
