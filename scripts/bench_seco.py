@@ -9,8 +9,8 @@ point for full backprop; batch 1), one training step per mode:
 * ``seco_offload``: the same with ``kv_offload=True`` (K/V stores and chunk-boundary states in
   pinned host memory),
 * ``full``: full backprop, one forward + backward of the whole sequence, no activation
-  checkpointing; the loss is the chunked cross-entropy (``--chunk-size`` slices of the final hidden
-  states, each slice's logits recomputed in backward), so whole-sequence logits never exist, as
+  checkpointing; the loss is the chunked cross-entropy (``--loss-slice`` slices of the final hidden
+  states, as SeCO's loss; each slice's logits recomputed in backward), so whole-sequence logits never exist, as
   in SeCO (whole logits of a 248k vocabulary would take 15 GiB in bf16 at 32k tokens, and twice
   that again in float32 for the loss).
 
@@ -92,6 +92,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
 from hybridzoo.layers import chunk_attention  # noqa: E402
+from hybridzoo.layers.attention import Attention  # noqa: E402
 from hybridzoo.training.seco_engine import (  # noqa: E402
     LOSS_SLICE,
     SeCOError,
@@ -194,6 +195,25 @@ def memory_model(model: nn.Module, dtype: torch.dtype, chunk_size: int, offload:
             "kv_formula": kv * (1 if offload else 2)}
 
 
+def step_flops(model: nn.Module, tokens: int) -> float:
+    """The model's FLOPs of one forward + backward of ``tokens`` tokens (batch 1), the work that any
+    training step of this sequence does (SeCO's recomputation not counted): ``6 · tokens`` per
+    weight of every ``nn.Linear`` (the LM head included, the embedding lookup not), plus, per
+    attention layer, ``7 · n_heads · head_dim · pairs`` for its ``pairs`` visible (query, key)
+    pairs (``tokens² / 2`` causal, ``tokens · window`` with a window): ``2 · 2`` for QKᵀ and PV
+    forward, 2.5x that backward, the FlashAttention papers' convention. Recurrent mixers' scans
+    are not counted (qwen35-0.8b's 18 Gated DeltaNet layers: ~2% of the linear layers' FLOPs)."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    attention = 0.0
+    for block in model.blocks:
+        mixer = block.mixer
+        if isinstance(mixer, Attention):
+            window = mixer.config.window
+            pairs = tokens * (tokens + 1) / 2 if window is None or window >= tokens else tokens * window
+            attention += 7 * mixer.n_heads * mixer.head_dim * pairs
+    return 6.0 * linear * tokens + attention
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``(slope, intercept)`` of ``y = slope · x + intercept``; needs two distinct x
     (else :class:`statistics.StatisticsError`, a ValueError)."""
@@ -285,7 +305,7 @@ def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device
         start = time.perf_counter()
         with _autocast(device, autocast_dtype):
             if mode == "full":
-                loss, num_chunks = full_backprop_step(model, batch, chunk_size), 1
+                loss, num_chunks = full_backprop_step(model, batch, loss_slice or chunk_size), 1
             else:
                 result = seco_step(model, batch, chunk_size, kv_offload=mode == "seco_offload",
                                    block_size=block_size, loss_slice=loss_slice)
@@ -367,13 +387,14 @@ def _meta(device: torch.device, args: dict) -> dict:
                          "NOT in step_s (timed as optim_s), inside the peak-memory window; its states "
                          "are allocated in the warm-up and counted in static_bytes",
             "full_backprop": "one forward + backward of the whole sequence, no activation checkpointing, "
-                             "chunked cross-entropy over chunk_size slices (logits recomputed in backward)",
+                             "chunked cross-entropy over ce_slice slices (rows without ce_slice: chunk_size "
+                             "slices), logits recomputed in backward",
             "seco": "seco_engine.seco_step (block_size, loss_slice: see those; rows without loss_slice ran "
                     "before it existed, with each chunk's whole logits), no activation checkpointing in a chunk",
-            "seco_attention_backward": ("PyTorch's flash backward per block (chunk_attention; on CUDA with "
-                                        "--flash-backward / HYBRIDZOO_SECO_FLASH=1)"
+            "seco_attention_backward": ("PyTorch's flash backward per block (chunk_attention; the default)"
                                         if chunk_attention.FLASH_ON_CUDA or device.type == "cpu" else
-                                        "hybridzoo's Triton prefix backward (prefix_attention, the CUDA default)"),
+                                        "hybridzoo's Triton prefix backward (prefix_attention; "
+                                        "--triton-prefix-backward / HYBRIDZOO_SECO_FLASH=0)"),
             "memory": "torch.cuda.max_memory_allocated after reset_peak_memory_stats" if device.type == "cuda"
                       else "PyTorch profiler CPU allocation events (bytes allocated inside the step at their peak)",
         },
@@ -381,16 +402,23 @@ def _meta(device: torch.device, args: dict) -> dict:
     return meta
 
 
-def _predict_seconds(rows: list[dict], recipe: str, mode: str, tokens: int, has_kv: bool) -> float | None:
-    """Time of the next length from the last ones of this recipe and mode (a power law, exponent
-    fitted to the last two lengths and clipped to [1, 2]; 2 for one point with attention, else 1)."""
-    done = sorted((r["tokens"], r["step_s"] + r.get("optim_s", 0.0)) for r in rows
-                  if r["recipe"] == recipe and r["mode"] == mode and r["status"] == "ok" and r["tokens"] < tokens)
+def setting(row: dict) -> tuple:
+    """The configuration a row was measured in: ``(recipe, mode, chunk_size, loss_slice,
+    flash_backward)`` (rows from before loss_slice / flash_backward were recorded: None / False)."""
+    return (row["recipe"], row["mode"], row["chunk_size"], row.get("loss_slice"), row.get("flash_backward", False))
+
+
+def _predict_seconds(rows: list[dict], row: dict, has_kv: bool) -> float | None:
+    """Time of ``row`` (its setting, a longer length) from the rows of the same setting (a power
+    law, exponent fitted to the last two lengths and clipped to [1, 2]; 2 for one length with
+    attention, else 1)."""
+    done = sorted({r["tokens"]: r["step_s"] + r.get("optim_s", 0.0) for r in rows
+                   if setting(r) == setting(row) and r["status"] == "ok" and r["tokens"] < row["tokens"]}.items())
     if not done:
         return None
     (t1, s1), (t2, s2) = (done[-2] if len(done) > 1 else (None, None)), done[-1]
     exponent = (2.0 if has_kv else 1.0) if t1 is None else min(2.0, max(1.0, math.log(s2 / s1) / math.log(t2 / t1)))
-    return s2 * (tokens / t2) ** exponent
+    return s2 * (row["tokens"] / t2) ** exponent
 
 
 def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_size: int, device: torch.device,
@@ -475,11 +503,12 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         reference: dict[int, tuple[str, list[torch.Tensor]]] = {}
         for tokens, mode in todo:
             row = {"recipe": spec, "mode": mode, "tokens": tokens, "chunk_size": chunk_size, "loss_slice": loss_slice,
-                   "flash_backward": flash,
+                   "flash_backward": flash, **({"ce_slice": loss_slice or chunk_size} if mode == "full" else {}),
+                   "model_flops": step_flops(model, tokens),
                    "predicted_bytes_per_token": info["memory_model"].get(mode, {}).get("device")}
-            earlier = sorted((r for r in rows if r["recipe"] == spec and r["mode"] == mode and r["tokens"] < tokens
-                              and r["chunk_size"] == chunk_size and r["status"] != "ok"), key=lambda r: r["tokens"])
-            predicted_s = _predict_seconds(rows, spec, mode, tokens, has_kv)
+            earlier = sorted((r for r in rows if setting(r) == setting(row) and r["tokens"] < tokens
+                              and r["status"] != "ok"), key=lambda r: r["tokens"])
+            predicted_s = _predict_seconds(rows, row, has_kv)
             if earlier and earlier[-1]["status"] in ("did not fit", "refused"):
                 row.update(status=earlier[-1]["status"], note=f"a shorter length ({earlier[-1]['tokens']}) already "
                                                               f"{earlier[-1]['status']}; not run")
@@ -531,60 +560,90 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
 
 
 # ---- summary --------------------------------------------------------------------------------------------
+def _labels(rows: list[dict], spec: str) -> dict[tuple, str]:
+    """A name per SeCO setting ``(chunk_size, loss_slice, flash_backward)`` of ``spec``'s rows: the
+    recipe alone when its SeCO rows share one setting, else the recipe and the setting."""
+    found = sorted({setting(r)[2:] for r in rows if r["recipe"] == spec and r["mode"] != "full"},
+                   key=lambda s: (s[0], s[1] or 0, s[2]))
+    if len(found) <= 1:
+        return {key: spec for key in found}
+    return {key: f"{spec} [chunk {key[0]}, loss_slice {key[1]}, {'flash' if key[2] else 'triton'} backward]"
+            for key in found}
+
+
 def summarize(result: dict) -> dict:
-    """Per recipe and mode, the fitted memory growth per token against the memory model; per
-    recipe and length, SeCO / full backprop time ratios; the 1M-token target."""
+    """Per recipe, SeCO setting (see :func:`_labels`) and mode, the fitted memory growth per token
+    against the memory model; per setting and length, SeCO / full backprop time ratios (full
+    backprop's rows of the recipe, whatever their chunk); the 1M-token target, literally (time per
+    token) and per unit of work (time per :func:`step_flops` FLOP, where the rows have it)."""
     rows = [r for r in result["rows"] if r["status"] == "ok"]
     on_cpu = result["meta"].get("device_memory_bytes") is None
+    measured = "growth_bytes" if on_cpu else "peak_bytes"
     fits, ratios, target = {}, {}, {}
+
+    def fit_rows(name: str, mine: list[dict], model: dict | None) -> None:
+        points = [(r["tokens"], r[measured]) for r in mine if r.get(measured) is not None]
+        if len({t for t, _ in points}) < 2:
+            return
+        slope, intercept = fit_line([t for t, _ in points], [b for _, b in points])
+        fit = {"tokens": [t for t, _ in points], "bytes_per_token": slope, "intercept_bytes": intercept,
+               "fitted": measured}
+        if model is not None:
+            # on the CPU, host memory (offloaded stores, RNG states) is the measured memory
+            predicted = model["device"] + (model["host"] if on_cpu else 0)
+            fit["predicted_bytes_per_token"] = predicted
+            fit["measured_over_predicted"] = slope / predicted if predicted else None
+            fit["kv_formula_bytes_per_token"] = model["kv_formula"]
+            fit["measured_over_kv_formula"] = slope / model["kv_formula"] if model["kv_formula"] else None
+        fits[name] = fit
+
     for spec, info in result["recipes"].items():
-        for mode in MODES:
-            mine = sorted((r for r in rows if r["recipe"] == spec and r["mode"] == mode), key=lambda r: r["tokens"])
-            measured = "growth_bytes" if on_cpu else "peak_bytes"
-            points = [(r["tokens"], r[measured]) for r in mine if r.get(measured) is not None]
-            if len({t for t, _ in points}) < 2:
+        full = {r["tokens"]: r for r in rows if r["recipe"] == spec and r["mode"] == "full"}  # the last per length
+        fit_rows(f"{spec}/full", sorted(full.values(), key=lambda r: r["tokens"]), None)
+        for key, label in _labels(rows, spec).items():
+            mine = [r for r in rows if r["recipe"] == spec and r["mode"] != "full" and setting(r)[2:] == key]
+            for mode in ("seco", "seco_offload"):
+                of_mode = sorted((r for r in mine if r["mode"] == mode), key=lambda r: r["tokens"])
+                fit_rows(f"{label}/{mode}", of_mode, info["memory_model"].get(mode))
+            by_length: dict[int, dict[str, dict]] = {}
+            for r in mine:
+                by_length.setdefault(r["tokens"], {})[r["mode"]] = r
+            for tokens in by_length:
+                if tokens in full:
+                    by_length[tokens]["full"] = full[tokens]
+            times = {t: {m: r["step_s"] for m, r in modes.items()} for t, modes in by_length.items()}
+            ratios[label] = {str(t): {f"{m}_over_full": ts[m] / ts["full"]
+                                      for m in ("seco", "seco_offload") if m in ts and "full" in ts}
+                             | ({"offload_over_seco": ts["seco_offload"] / ts["seco"]}
+                                if "seco" in ts and "seco_offload" in ts else {})
+                             for t, ts in sorted(times.items()) if "seco" in ts or "seco_offload" in ts}
+            seco = [r for r in mine if r["mode"] == "seco"]
+            if not seco:
                 continue
-            slope, intercept = fit_line([t for t, _ in points], [b for _, b in points])
-            fit = {"tokens": [t for t, _ in points], "bytes_per_token": slope, "intercept_bytes": intercept,
-                   "fitted": measured}
-            model = info["memory_model"].get(mode)
-            if model is not None:
-                # on the CPU, host memory (offloaded stores, RNG states) is the measured memory
-                predicted = model["device"] + (model["host"] if on_cpu else 0)
-                fit["predicted_bytes_per_token"] = predicted
-                fit["measured_over_predicted"] = slope / predicted if predicted else None
-                fit["kv_formula_bytes_per_token"] = model["kv_formula"]
-                fit["measured_over_kv_formula"] = slope / model["kv_formula"] if model["kv_formula"] else None
-            fits[f"{spec}/{mode}"] = fit
-        by_length = {}
-        for r in rows:
-            if r["recipe"] == spec:
-                by_length.setdefault(r["tokens"], {})[r["mode"]] = r["step_s"]
-        ratios[spec] = {str(tokens): {f"{mode}_over_full": times[mode] / times["full"]
-                                      for mode in ("seco", "seco_offload") if mode in times and "full" in times}
-                        | ({"offload_over_seco": times["seco_offload"] / times["seco"]}
-                           if "seco" in times and "seco_offload" in times else {})
-                        for tokens, times in sorted(by_length.items())}
-        full = [r for r in rows if r["recipe"] == spec and r["mode"] == "full"]
-        seco = [r for r in rows if r["recipe"] == spec and r["mode"] == "seco"]
-        if seco:
             longest = max(seco, key=lambda r: r["tokens"])
             entry = {"seco_longest_tokens": longest["tokens"], "seco_us_per_token": longest["us_per_token"],
                      "target_tokens": TARGET_TOKENS, "fits_target_tokens": longest["tokens"] >= TARGET_TOKENS}
             if full:
-                base = max(full, key=lambda r: r["tokens"])
+                base = full[max(full)]
                 entry.update(full_longest_tokens=base["tokens"], full_us_per_token=base["us_per_token"],
                              time_per_token_ratio=longest["us_per_token"] / base["us_per_token"])
-                ratio = entry["time_per_token_ratio"]
-                entry["meets_target"] = entry["fits_target_tokens"] and ratio <= TARGET_TIME_RATIO
-                both = [t for t, times in by_length.items() if "seco" in times and "full" in times]
+                entry["meets_target"] = entry["fits_target_tokens"] and entry["time_per_token_ratio"] <= TARGET_TIME_RATIO
+                both = [t for t, ts in times.items() if "seco" in ts and "full" in ts]
                 if both:
                     entry["same_length_tokens"] = max(both)
-                    entry["same_length_ratio"] = by_length[max(both)]["seco"] / by_length[max(both)]["full"]
+                    entry["same_length_ratio"] = times[max(both)]["seco"] / times[max(both)]["full"]
+                if longest.get("model_flops") and base.get("model_flops"):
+                    entry["seco_model_tflops"] = longest["model_flops"] / longest["step_s"] / 1e12
+                    entry["full_model_tflops"] = base["model_flops"] / base["step_s"] / 1e12
+                    entry["work_normalized_ratio"] = entry["full_model_tflops"] / entry["seco_model_tflops"]
+                    entry["meets_target_work_normalized"] = (entry["fits_target_tokens"]
+                                                             and entry["work_normalized_ratio"] <= TARGET_TIME_RATIO)
                 entry["note"] = ("time_per_token_ratio: SeCO's time per token at its longest length over full "
                                  "backprop's at the longest length full backprop fits; with attention layers "
-                                 "their quadratic cost makes it larger than same_length_ratio")
-            target[spec] = entry
+                                 "their quadratic cost makes it larger than same_length_ratio. "
+                                 "work_normalized_ratio: the same with time per model FLOP (step_flops: linear "
+                                 "layers and attention, SeCO's recomputation not counted) instead of per token")
+            target[label] = entry
     return {"memory_fits": fits, "time_ratios": ratios, "target": target}
 
 
@@ -614,28 +673,35 @@ def plot(result: dict, path: str | Path) -> Path | None:
     specs = list(result["recipes"])
     if not specs:
         return None
-    fig, axes = plt.subplots(1, len(specs), figsize=(6 * len(specs), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(specs), figsize=(9.5 * len(specs), 4.8), squeeze=False)
     labels = {"seco": "SeCO", "seco_offload": "SeCO + kv_offload", "full": "full backprop"}
     colors = {"seco": "tab:blue", "seco_offload": "tab:green", "full": "tab:red"}
     for ax, spec in zip(axes[0], specs):
         info = result["recipes"][spec]
         top = capacity / 2**30 if capacity else None
-        for mode in MODES:
-            mine = sorted((r for r in result["rows"] if r["recipe"] == spec and r["mode"] == mode),
-                          key=lambda r: r["tokens"])
+        # one line per mode and SeCO setting (chunk, loss slice, attention backward)
+        names = _labels(result["rows"], spec)
+        series = [("full", None)] + [(mode, key) for key in names for mode in ("seco", "seco_offload")]
+        styles = ["o-", "s-", "^-", "v-", "D-"]
+        for mode, key in series:
+            mine = sorted((r for r in result["rows"] if r["recipe"] == spec and r["mode"] == mode
+                           and (key is None or setting(r)[2:] == key)), key=lambda r: r["tokens"])
+            name = labels[mode] + ("" if key is None or len(names) == 1 else names[key].removeprefix(spec))
+            style = styles[0 if key is None else list(names).index(key) % len(styles)]
             ok = [r for r in mine if r["status"] == "ok" and r.get(measured) is not None]
             if ok:
                 xs, ys = [r["tokens"] for r in ok], [r[measured] / 2**30 for r in ok]
-                ax.plot(xs, ys, "o-", color=colors[mode], label=labels[mode])
+                ax.plot(xs, ys, style, color=colors[mode], label=name)
                 if mode in info["memory_model"]:
                     model = info["memory_model"][mode]
                     slope = model["device"] + (model["host"] if on_cpu else 0)
                     ax.plot(xs, [ys[0] + slope * (x - xs[0]) / 2**30 for x in xs], "--", color=colors[mode],
-                            alpha=0.6, label=f"{labels[mode]}: K/V model ({slope / 1024:.1f} KiB/token)")
-            failed = [r["tokens"] for r in mine if r["status"] == "did not fit"]
+                            alpha=0.6, label=f"{name}: K/V model ({slope / 1024:.1f} KiB/token)")
+            fitted = {r["tokens"] for r in ok}  # a length may have fitted in another setting
+            failed = [r["tokens"] for r in mine if r["status"] == "did not fit" and r["tokens"] not in fitted]
             if failed and top:
                 ax.plot(failed, [top] * len(failed), "x", color=colors[mode], markersize=10,
-                        label=f"{labels[mode]}: did not fit")
+                        label=f"{name}: did not fit")
         if top:
             ax.axhline(top, color="gray", linewidth=0.8)
         ax.set_xscale("log", base=2)
@@ -646,7 +712,7 @@ def plot(result: dict, path: str | Path) -> Path | None:
         ax.set_ylabel("peak memory, GiB" + (" (allocated in the step)" if on_cpu else ""))
         ax.set_title(f"{spec} ({info['parameters'] / 1e6:.3g}M parameters)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     meta = result["meta"]
     fig.suptitle(f"SeCO one training step, {meta['device']}, chunk {meta['settings'].get('chunk_size')}, "
                  f"fp32 weights + {meta['settings'].get('dtype')} autocast", fontsize=10)
@@ -690,9 +756,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "cross-entropy slices (default 4096)")
     parser.add_argument("--loss-slice", type=int, default=LOSS_SLICE,
                         help=f"SeCO's loss_slice: tokens of logits at a time (default {LOSS_SLICE}; 0 = the whole chunk)")
-    parser.add_argument("--flash-backward", action="store_true",
-                        help="SeCO's attention backward by PyTorch's flash backward per block on CUDA "
-                             "(hybridzoo.layers.chunk_attention; same as HYBRIDZOO_SECO_FLASH=1)")
+    parser.add_argument("--triton-prefix-backward", action="store_true",
+                        help="SeCO's attention backward on CUDA by hybridzoo's Triton prefix backward "
+                             "(hybridzoo.layers.prefix_attention; same as HYBRIDZOO_SECO_FLASH=0) instead of "
+                             "PyTorch's flash backward per block (chunk_attention, the default)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="K/V prefix positions per attention call in SeCO (default: the chunk size); larger "
                              "blocks mean fewer calls at long lengths")
@@ -735,8 +802,8 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size = args.chunk_size or 4096
         out = args.out or f"benchmarks/results/{datetime.date.today()}-seco-h200.json"
     torch.set_float32_matmul_precision(args.fp32_matmul)
-    if args.flash_backward:
-        chunk_attention.FLASH_ON_CUDA = True
+    if args.triton_prefix_backward:
+        chunk_attention.FLASH_ON_CUDA = False
     recipes = [r.strip() for r in recipes.split(",") if r.strip()]
     lengths = sorted({parse_tokens(t) for t in lengths.split(",") if t.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -20,10 +20,12 @@ summed back; prefix gradients are added in place into ``k_grad`` / ``v_grad`` (S
 buffers), the chunk's own K/V gradients returned to autograd.
 
 Where it runs: on the CPU for every float dtype (exact in float64: the SeCO tests use it); on
-CUDA only when :data:`FLASH_ON_CUDA` is set (environment ``HYBRIDZOO_SECO_FLASH=1``) for
-bf16/fp16 with equal q and v head sizes <= 256, a multiple of 8. It is off on CUDA by default
-until it has been checked and timed on a GPU (written in session 6 without device time); the
-default CUDA path is the one of :mod:`~hybridzoo.layers.prefix_attention`.
+CUDA for bf16/fp16 with equal q and v head sizes <= 256, a multiple of 8, unless
+:data:`FLASH_ON_CUDA` is off (environment ``HYBRIDZOO_SECO_FLASH=0``); other CUDA calls (fp32,
+larger heads) take the path of :mod:`~hybridzoo.layers.prefix_attention`. The CUDA default since
+session 7, when it passed its GPU tests and, on one H200 (qwen35-0.8b, bf16, chunk 16384), made a
+SeCO step 131,072 tokens long 11.3 s where the Triton prefix backward took 16.5 s
+(``benchmarks/results/2026-11-30-seco-s7-qwen35-0.8b.json``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from hybridzoo.kernels import attention, merge_attention
 from hybridzoo.layers.prefix_attention import _check_store_call, prefix_backward, prefix_forward
 
-FLASH_ON_CUDA = os.environ.get("HYBRIDZOO_SECO_FLASH", "0") == "1"
+FLASH_ON_CUDA = os.environ.get("HYBRIDZOO_SECO_FLASH", "1") != "0"
 
 
 def chunk_attention_applies(q: torch.Tensor, v_store: torch.Tensor, backend: str) -> bool:

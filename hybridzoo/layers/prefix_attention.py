@@ -1,5 +1,6 @@
 """Attention of a chunk's queries to a long K/V prefix, read block by block (used by SeCO where
-:mod:`hybridzoo.layers.chunk_attention` does not apply: by default on CUDA).
+:mod:`hybridzoo.layers.chunk_attention` does not apply: on CUDA for fp32, or with
+``HYBRIDZOO_SECO_FLASH=0``).
 
 The prefix lives in one store ``[B, capacity, Hk, D]`` per layer, on the activations' device or
 in (pinned) host memory. :func:`block_prefix_attention` attends to its first ``length`` positions

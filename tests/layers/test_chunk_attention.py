@@ -115,7 +115,7 @@ def test_cuda_flash_backward_call_is_well_formed_on_meta_tensors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_gpu_flash_path_real_shapes(head_dim, monkeypatch):
-    """CUDA with ``FLASH_ON_CUDA`` (``HYBRIDZOO_SECO_FLASH=1``): the flash backward path is taken
+    """CUDA with ``FLASH_ON_CUDA`` (the default): the flash backward path is taken
     and matches float32 autograd of the concatenated sequence, bf16, a 512-token chunk over a
     2000-position prefix in blocks of 768 (a partial last block), GQA 8/2."""
     monkeypatch.setattr(chunk_module, "FLASH_ON_CUDA", True)

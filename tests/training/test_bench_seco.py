@@ -193,3 +193,48 @@ def test_sliced_loss_lowers_the_measured_peak(bench):
         peaks[loss_slice] = probe.above_static
     logits_bytes = 256 * 4096 * 4
     assert peaks[32] < peaks[None] - 2 * logits_bytes, peaks
+
+
+def test_step_flops_counts_linear_weights_and_visible_attention_pairs(bench):
+    """qwen35-0.8b's numbers by hand: 6 FLOPs per token per matmul weight (its 752,393,024
+    parameters, the tied embedding counted once, as the LM head, less those of no matmul: norms,
+    the Gated DeltaNet's depthwise convolutions and per-head decay parameters), and 7 · H · D per
+    visible (query, key) pair in each of its 6 attention layers (8 heads of 256); a window caps the
+    pairs at tokens · window."""
+    with torch.device("meta"):
+        model = HybridLM.from_recipe("qwen35-0.8b")
+    no_matmul = ("norm", "conv", "A_log", "dt_bias")
+    linear = 752_393_024 - sum(p.numel() for name, p in model.named_parameters() if any(n in name for n in no_matmul))
+    for tokens in (1, 4096, 2**20):
+        expected = 6 * linear * tokens + 6 * 7 * 8 * 256 * tokens * (tokens + 1) / 2
+        assert bench.step_flops(model, tokens) == pytest.approx(expected, rel=1e-12)
+    with torch.device("meta"):
+        windowed = HybridLM.from_recipe("qwen35-0.8b", attn={"window": 1000})
+    assert bench.step_flops(windowed, 4096) == pytest.approx(6 * linear * 4096 + 6 * 7 * 8 * 256 * 4096 * 1000,
+                                                             rel=1e-12)
+
+
+def test_predictions_and_summary_keep_settings_apart(bench):
+    """Rows of one recipe and mode measured with two attention backwards (same lengths) are two
+    settings: the prediction of a longer row uses its own setting's rows only (two rows at one
+    length made a ZeroDivisionError before), and the summary names each setting."""
+    def row(tokens, step_s, flash, mode="seco"):
+        return {"recipe": "r", "mode": mode, "tokens": tokens, "chunk_size": 8, "loss_slice": 4,
+                "flash_backward": flash, "status": "ok", "step_s": step_s, "us_per_token": step_s / tokens * 1e6,
+                "peak_bytes": 1000 + 10 * tokens, "model_flops": 100.0 * tokens}
+    rows = [row(32, 1.0, False), row(64, 4.0, False), row(32, 0.5, True), row(64, 1.0, True)]
+    assert bench._predict_seconds(rows, dict(rows[0], tokens=128), True) == pytest.approx(16.0)  # t^2
+    assert bench._predict_seconds(rows, dict(rows[2], tokens=128), True) == pytest.approx(2.0)   # t^1
+    assert bench._predict_seconds(rows[:1] + rows[2:3], dict(rows[0], tokens=64), True) == pytest.approx(4.0)
+    rows.append(row(32, 0.4, False, mode="full"))
+    model = {"device": 10, "host": 0, "kv_formula": 8}
+    result = {"meta": {"device_memory_bytes": 1}, "recipes": {"r": {"memory_model": {"seco": model}}}, "rows": rows}
+    summary = bench.summarize(result)
+    names = {"r [chunk 8, loss_slice 4, triton backward]", "r [chunk 8, loss_slice 4, flash backward]"}
+    assert set(summary["target"]) == names == set(summary["time_ratios"])
+    flash = summary["target"]["r [chunk 8, loss_slice 4, flash backward]"]
+    assert flash["same_length_ratio"] == pytest.approx(0.5 / 0.4)
+    assert flash["time_per_token_ratio"] == pytest.approx((1.0 / 64) / (0.4 / 32))
+    assert flash["work_normalized_ratio"] == pytest.approx((1.0 / 6400) / (0.4 / 3200))
+    assert summary["memory_fits"]["r [chunk 8, loss_slice 4, flash backward]/seco"]["bytes_per_token"] == \
+        pytest.approx(10.0)

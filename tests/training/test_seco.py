@@ -542,7 +542,8 @@ def test_cuda_bf16_autocast_passes_the_check_and_tracks_full_backprop(flash, mon
     measured against the float32 gradient (no autocast), and SeCO's error must stay of the order
     of full backprop's own. (Comparing the two bf16 runs with each other, as this test first did,
     asked for 3e-2 between two results each ~3e-2 off; they differed by 5.8e-2 on an H200.)
-    ``flash``: the attention backward of hybridzoo.layers.chunk_attention (opt-in on CUDA),
+    ``flash``: the attention backward of hybridzoo.layers.chunk_attention (the CUDA default;
+    off: the Triton prefix backward of hybridzoo.layers.prefix_attention),
     checked to be the path taken."""
     from hybridzoo.layers import chunk_attention as chunk_module
 
