@@ -342,8 +342,10 @@ _bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restor
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *,
-                          need_dlog_a=True, need_dh0=True):
-    """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero)."""
+                          need_dlog_a=True, need_dh0=True, b=None, A=None):
+    """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero).
+    ``b`` (the in-chunk cumulative decays, :func:`chunk_cumsum`) and ``A`` (the per-key scores,
+    :func:`intra_A`) as the forward made them, or None: recomputed here."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     NT = triton.cdiv(T, C)
@@ -355,7 +357,8 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     if dhT is not None:
         dhT = dhT.to(torch.float32).contiguous()
     need_dlog_a = need_dlog_a and decay > 0
-    b = chunk_cumsum(log_a, C) if decay else None
+    if b is None and decay:
+        b = chunk_cumsum(log_a, C)
     h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
     b_ = b if b is not None else dummy
 
@@ -367,7 +370,8 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
                BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
                PREC=prec, NT_LOOP=launch.loop_count(NT), fixed=dict(num_warps=launch.warps(BK, BV)))
 
-    A = intra_A(q, k, b, H, C) if decay == 2 else None
+    if A is None and decay == 2:
+        A = intra_A(q, k, b, H, C)
     dv = launch.empty(v.shape, v.dtype, v.device)
     launch.run(_bwd_dv, lambda args: (triton.cdiv(V, args["BV"]), NT, B * H),
                q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK,

@@ -180,6 +180,27 @@ def test_per_key_ragged_chunks_every_sub_chunk():
     check("per_key", seed=14, B=2, T=180, K=24, V=16, chunk_size=64, resets=(16, 144, 176))
 
 
+@pytest.mark.parametrize("decay", ["scalar", "per_key"])
+def test_backward_reuses_the_forwards_decays_and_scores(decay, monkeypatch):
+    """The in-chunk cumulative decays and (per key) the intra-chunk scores are made once, in the
+    forward, and the backward uses them: one chunk_cumsum and one intra_A per forward + backward;
+    the gradients still match the reference (check)."""
+    from hybridzoo.kernels.triton import linear_attn, linear_attn_bwd
+
+    calls = {"chunk_cumsum": 0, "intra_A": 0}
+    for name in calls:
+        real = getattr(linear_attn, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(linear_attn, name, spy)
+        monkeypatch.setattr(linear_attn_bwd, name, spy)
+    check(decay, T=37, K=16, V=16, chunk_size=16)
+    assert calls == {"chunk_cumsum": 1, "intra_A": 1 if decay == "per_key" else 0}
+
+
 @pytest.mark.parametrize("decay", DECAYS)
 def test_head_dim_256(decay):
     """K = V = 256, the largest head the kernels take (the GPU tests run it at T 16384): here on a
