@@ -13,6 +13,7 @@ from hybridzoo.kernels.reference.attention import attention as reference_attenti
 from hybridzoo.layers import chunk_attention as chunk_module
 from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_applies
 from hybridzoo.utils import rel_err
+from tests.layers.concat_truth import concat_autograd
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -32,16 +33,8 @@ def inputs(seed: int, heads: int, kv_heads: int, dtype=torch.float64):
 
 
 def full_autograd(x):
-    """Grads of ``q``, the prefix K/V ``[B, P, ...]`` and the chunk's own K/V, float64."""
-    f64 = {n: t.double() for n, t in x.items()}
-    heads = f64["q"].shape[2]
-    q = f64["q"].clone().requires_grad_()
-    k = torch.cat([f64["k_store"][:, :P], f64["k"]], 1).requires_grad_()
-    v = torch.cat([f64["v_store"][:, :P], f64["v"]], 1).requires_grad_()
-    q_all = torch.cat([q.new_zeros(B, P, heads, D), q], 1)
-    o, _ = reference_attention(q_all, k, v, scale=SCALE)
-    (o[:, P:] * f64["w"]).sum().backward()
-    return o[:, P:].detach(), q.grad, k.grad[:, :P], v.grad[:, :P], k.grad[:, P:], v.grad[:, P:]
+    """Output and grads of ``q``, the prefix K/V ``[B, P, ...]`` and the chunk's own K/V, float64."""
+    return concat_autograd(x["q"], x["k_store"], x["v_store"], x["k"], x["v"], P, SCALE, x["w"])
 
 
 def ours(x, block_size, buffers=True):

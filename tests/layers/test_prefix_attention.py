@@ -17,6 +17,7 @@ from hybridzoo.kernels.reference.attention import attention as reference_attenti
 from hybridzoo.layers import prefix_attention
 from hybridzoo.layers.prefix_attention import block_prefix_attention
 from hybridzoo.utils import rel_err
+from tests.layers.concat_truth import concat_autograd
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -37,17 +38,10 @@ def inputs(seed: int, heads: int, kv_heads: int):
 
 
 def full_autograd(x):
-    """Ground truth: causal reference attention over the concatenated ``[prefix; chunk]`` sequence
-    (the prefix positions get zero queries whose outputs are not used); returns the grads of
-    ``q``, the prefix keys/values ``[B, P, ...]`` and the chunk's own keys/values."""
-    heads = x["q"].shape[2]
-    q = x["q"].clone().requires_grad_()
-    k = torch.cat([x["k_store"][:, :P], x["k_own"]], 1).requires_grad_()
-    v = torch.cat([x["v_store"][:, :P], x["v_own"]], 1).requires_grad_()
-    q_all = torch.cat([q.new_zeros(B, P, heads, D), q], 1)
-    o, lse = reference_attention(q_all, k, v, scale=SCALE, return_lse=True)
-    ((o[:, P:] * x["w_o"]).sum() + (lse[:, P:] * x["w_lse"]).sum()).backward()
-    return q.grad, k.grad[:, :P], v.grad[:, :P], k.grad[:, P:], v.grad[:, P:]
+    """Grads of ``q``, the prefix keys/values ``[B, P, ...]`` and the chunk's own keys/values for
+    the loss on the merged o and lse (tests/layers/concat_truth.py)."""
+    return concat_autograd(x["q"], x["k_store"], x["v_store"], x["k_own"], x["v_own"], P, SCALE,
+                           x["w_o"], x["w_lse"])[1:]
 
 
 def seco_way(x, block_size, *, buffers=True, seed=0):
