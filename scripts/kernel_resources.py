@@ -67,12 +67,12 @@ def cases():
         cfg = dict(H=6, G=1, K=128, V=256, C=64, BK=128, BV=64, PREC=prec)
         warps, stages = 8, 1  # delta_rule._Config for BK = 128
         yield (f"delta_rule _state_fwd_kernel {dt}", delta_rule._state_fwd_kernel,
-               {"k_ptr": ptr, **{n: "*fp32" for n in ("w_ptr", "u_ptr", "la_ptr", "h0_ptr", "h_ptr", "vn_ptr",
-                                                      "ht_ptr")}, "T": "i32", "N": "i32"},
+               {"k_ptr": ptr, "w_ptr": ptr, **{n: "*fp32" for n in ("u_ptr", "la_ptr", "h0_ptr", "h_ptr", "vn_ptr",
+                                                                     "ht_ptr")}, "T": "i32", "N": "i32"},
                dict(cfg, HAS_H0=False, N_INTERP=0), warps, stages)
         yield (f"delta_rule _state_bwd_kernel {dt}", delta_rule_bwd._state_bwd_kernel,
-               {"q_ptr": ptr, "k_ptr": ptr, "do_ptr": ptr, **{n: "*fp32" for n in (
-                   "w_ptr", "la_ptr", "dv_ptr", "dht_ptr", "dh_ptr", "dh0_ptr")}, "scale": "fp32", "T": "i32",
+               {"q_ptr": ptr, "k_ptr": ptr, "do_ptr": ptr, "w_ptr": ptr, **{n: "*fp32" for n in (
+                   "la_ptr", "dv_ptr", "dht_ptr", "dh_ptr", "dh0_ptr")}, "scale": "fp32", "T": "i32",
                 "N": "i32"},
                dict(cfg, HAS_DHT=False, N_INTERP=0), warps, stages)
         la = dict(H=16, HK=16, K=128, V=128, C=64, BK=64, BV=64, DECAY=1, PREC=prec)
@@ -85,7 +85,7 @@ def cases():
                 "scale": "fp32", "T": "i32", "NT": "i32"}, la, launch.warps(64, 64), 3)
 
 
-INPUTS = {"q", "k", "v", "do", "o", "beta", "dv"}  # tensors in the inputs' dtype (the rest: float32;
+INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w"}  # tensors in the inputs' dtype (the rest: float32;
 # linear attention also keeps its chunk states h, dh in the inputs' dtype for 16-bit inputs)
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 

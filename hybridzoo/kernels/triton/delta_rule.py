@@ -55,6 +55,23 @@ def _chunk_decays(la_ptr, rows, mask_t, C: tl.constexpr):
 
 
 @triton.jit
+def _state_decays(la_ptr, b, h, i_n, T, H: tl.constexpr, C: tl.constexpr):
+    """``(γ [C], e [C], γ_C)`` of :func:`_chunk_decays` without its ``[C, C]`` tiles, for the
+    sequential state kernels (whose registers those tiles made spill): ``e_r = exp(Σ_{s>r} log a_s)``
+    as a reverse cumulative sum of the next tokens' log decays (read shifted by one token, so no
+    subtraction: -inf safe)."""
+    r = tl.arange(0, C)
+    offs_t = i_n * C + r
+    rows = (b.to(tl.int64) * T + offs_t) * H + h
+    la = tl.load(la_ptr + rows, mask=offs_t < T, other=0.0).to(tl.float32)
+    la_next = tl.load(la_ptr + rows + H, mask=(r < C - 1) & (offs_t + 1 < T), other=0.0).to(tl.float32)
+    gamma_in = tl.exp(tl.cumsum(la, axis=0))
+    gamma_out = tl.exp(tl.cumsum(la_next, axis=0, reverse=True))
+    gamma_chunk = tl.exp(tl.sum(la, axis=0))
+    return gamma_in, gamma_out, gamma_chunk
+
+
+@triton.jit
 def _chunk_rows(b, h, i_n, T, H: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
     """Chunk ``i_n`` of (batch ``b``, value head ``h``): the mask of its ``C`` token positions, and
     the row indices of ``[B, T, H, ·]`` tensors and of the q/k tensors ``[B, T, H // G, ·]`` (int64)."""
@@ -70,6 +87,14 @@ def _load_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr):
     """Load a ``[C, len(offs)]`` float32 tile: row ``i`` at ``ptr + rows[i] * width``, columns ``offs < D``."""
     mask = mask_t[:, None] & (offs[None, :] < D)
     return tl.load(ptr + rows[:, None] * width + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_tile(ptr, rows, width, offs, mask_t, D: tl.constexpr):
+    """:func:`_load_rows` in the buffer's own dtype: a dot operand loaded as it is (a 16-bit tile
+    widened to float32 holds twice the registers, which the sequential state kernels spill)."""
+    mask = mask_t[:, None] & (offs[None, :] < D)
+    return tl.load(ptr + rows[:, None] * width + offs[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -178,6 +203,45 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
 
 
 @triton.jit
+def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
+                offset, BW: tl.constexpr):
+    """A block pointer to chunk ``i_n``'s ``[C, BW]`` tile (columns from ``offset``) of head ``h``
+    of batch ``b`` in a ``[B, T, HEADS, WIDTH]`` tensor. Block pointers address a tile from one
+    base and two strides; per-element pointer tiles (``[C, BW]`` int64) cost the sequential state
+    kernels more registers than their data and made them spill."""
+    base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
+    return tl.make_block_ptr(base, (T, WIDTH), (HEADS * WIDTH, 1), (i_n * C, offset), (C, BW), (1, 0))
+
+
+@triton.jit
+def _cols_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
+                BW: tl.constexpr, offset=0):
+    """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``): a dot's left
+    operand read in the layout the dot takes, not transposed in registers."""
+    base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
+    return tl.make_block_ptr(base, (WIDTH, T), (1, HEADS * WIDTH), (offset, i_n * C), (BW, C), (0, 1))
+
+
+@triton.jit
+def _tile(block):
+    """The tile a block pointer addresses, in its buffer's dtype, zero past the tensor's edges."""
+    return tl.load(block, boundary_check=(0, 1), padding_option="zero")
+
+
+@triton.jit
+def _state_block(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr):
+    """A block pointer to the ``[BK, BV]`` tile (value columns from ``i_v · BV``) of the ``[K, V]``
+    state at ``ptr + base``."""
+    return tl.make_block_ptr(ptr + base, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+
+
+@triton.jit
+def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr):
+    """:func:`_state_block`'s tile transposed, ``[BV, BK]``."""
+    return tl.make_block_ptr(ptr + base, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
+
+
+@triton.jit
 def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N,
                       H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -187,24 +251,23 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    s_offs = offs_k[:, None] * V + offs_v[None, :]
-    s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    s_base = i_bh.to(tl.int64) * K * V
     if HAS_H0:
-        state = tl.load(h0_ptr + i_bh.to(tl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
+        state = _tile(_state_block(h0_ptr, s_base, K, V, i_v, BK, BV))
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
-        tl.store(h_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, state, mask=s_mask)
-        mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
-        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
-        u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
+        tl.store(_state_block(h_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV),
+                 state.to(h_ptr.dtype.element_ty), boundary_check=(0, 1))
+        w = _tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
+        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
         vn = u - _dot(w, state, DT, PREC)
-        _store_rows(vn_ptr, rows, V, offs_v, mask_t, V, vn)
-        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        _, _, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
-        state = state * gamma_chunk + _dot(tl.trans(key * gamma_out[:, None]), vn, DT, PREC)
-    tl.store(ht_ptr + i_bh.to(tl.int64) * K * V + s_offs, state, mask=s_mask)
+        tl.store(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), vn.to(vn_ptr.dtype.element_ty),
+                 boundary_check=(0, 1))
+        key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, BK))
+        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
+        state = state * gamma_chunk + _dot(key_t, vn * gamma_out[:, None], DT, PREC)
+    tl.store(_state_block(ht_ptr, s_base, K, V, i_v, BK, BV), state, boundary_check=(0, 1))
 
 
 @triton.jit
@@ -240,8 +303,13 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # illegal memory access Triton 3.6 produced on an H200 in the linear-attention output kernel
 # ([64, 64] x [64, 32] dots; see launch.WARPS); an autotuning trial that faults would
 # kill the process, so such configs are not tried.
-STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=1)
-                 for bv, warps in ((32, 4), (64, 4), (64, 8))]
+# One candidate with two pipelining stages (session 7): a chunk's W, U and keys do not depend on
+# the carried state, so their loads can run a chunk ahead. Compiled for sm_90 at K = V = 128, bf16:
+# 49 / 58 KB of shared memory (forward / backward), 128 / 364 B of spills against 80 / 296 with one
+# stage (scripts/kernel_resources.py); with float32 inputs at K = 256 it does not fit shared memory
+# (279 KB) and the autotuner skips it. Not yet timed.
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+                 for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 
@@ -307,9 +375,12 @@ class _Config:
 
 
 def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
-    """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, all float32."""
+    """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, float32 but ``w``
+    (the inputs' dtype)."""
     B, T, H, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.C, cfg.N
-    tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K), cfg.buf(B, T, H, V)
+    # W is only ever a dot operand (rounded to the inputs' dtype there), so it is stored in that
+    # dtype: the same results, half its bytes and registers in the state kernels
+    tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K, dtype=k.dtype), cfg.buf(B, T, H, V)
     _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.wy_consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
-from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows, _dot,
-                                                 _load_rows, _store_rows)
+from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
+                                                 _cols_block, _dot, _load_rows, _rows_block, _state_block,
+                                                 _state_block_t, _state_decays, _store_rows, _tile)
 
 
 @triton.jit
@@ -58,33 +59,35 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
                       HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
     """Reverse over chunks for one (batch, head, V-block): stores ``dS1`` of each chunk in
     ``dh [B, H, N, K, V]``, turns the local dVn (in ``dv``) into the full dVn in place, and
-    writes the initial state's gradient."""
+    writes the initial state's gradient. As in the forward's state kernel: block pointers, dot
+    operands loaded in their own dtype (the left ones already transposed), and each decay applied
+    to the chunk-by-value side of its dot (``(e ⊙ K) dS = e ⊙ (K dS)``), so no key-wide float32
+    tile is held."""
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    s_offs = offs_k[:, None] * V + offs_v[None, :]
-    s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    s_base = i_bh.to(tl.int64) * K * V
     if HAS_DHT:
-        dstate = tl.load(dht_ptr + i_bh.to(tl.int64) * K * V + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+        dstate = _tile(_state_block(dht_ptr, s_base, K, V, i_v, BK, BV)).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(0, N_INTERP if N_INTERP > 0 else N):
         i_n = N - 1 - i
-        tl.store(dh_ptr + (i_bh.to(tl.int64) * N + i_n) * K * V + s_offs, dstate, mask=s_mask)
-        mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
-        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        _, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
-        dvn = _load_rows(dv_ptr, rows, V, offs_v, mask_t, V)
-        dvn += _dot(key * gamma_out[:, None], dstate, DT, PREC)
-        _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dvn)
-        query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
-        do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
-        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
+        tl.store(_state_block(dh_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV),
+                 dstate.to(dh_ptr.dtype.element_ty), boundary_check=(0, 1))
+        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
+        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
+        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)
+        dvn = _tile(dv_block).to(tl.float32)
+        dvn += _dot(key, dstate, DT, PREC) * gamma_out[:, None]
+        tl.store(dv_block, dvn.to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
+        query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, BK))
+        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
+        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, BK))
         dstate = dstate * gamma_chunk
-        dstate += _dot(tl.trans(query * (gamma_in * scale)[:, None]), do, DT, PREC)
-        dstate -= _dot(tl.trans(w), dvn, DT, PREC)
-    tl.store(dh0_ptr + i_bh.to(tl.int64) * K * V + s_offs, dstate, mask=s_mask)
+        dstate += _dot(query_t, do * (gamma_in * scale)[:, None], DT, PREC)
+        dstate -= _dot(w_t, dvn, DT, PREC)
+    tl.store(_state_block(dh0_ptr, s_base, K, V, i_v, BK, BV), dstate, boundary_check=(0, 1))
 
 
 @triton.jit
@@ -92,12 +95,13 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                    dq_ptr, dk_ptr, dw_ptr, dg_ptr, scale, T, N,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg."""
+    """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg.
+    Tiles through block pointers, dot operands in their own dtype, the states read transposed."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
-    offs_k, offs_c = tl.arange(0, BK), tl.arange(0, C)
+    mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
+    offs_c = tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
 
     dq_acc = tl.zeros([C, BK], dtype=tl.float32)    # dO S0ᵀ
@@ -106,33 +110,30 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     do_vn = tl.zeros([C, C], dtype=tl.float32)      # dO Vnᵀ
     dgamma_chunk = tl.zeros([BK], dtype=tl.float32)  # Σ S0 ⊙ dS1, summed at the end
     for i_v in range(0, tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
-        s_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
-        s_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
-        s0 = tl.load(h_ptr + s_offs, mask=s_mask, other=0.0)
-        ds1 = tl.load(dh_ptr + s_offs, mask=s_mask, other=0.0)
-        vn = _load_rows(vn_ptr, rows, V, offs_v, mask_t, V)
-        dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
-        do = _load_rows(do_ptr, rows, V, offs_v, mask_t, V)
-        dq_acc += _dot(do, tl.trans(s0), DT, PREC)
-        dw -= _dot(dvn, tl.trans(s0), DT, PREC)
-        dk_end += _dot(vn, tl.trans(ds1), DT, PREC)
+        s0_t = _tile(_state_block_t(h_ptr, state_base, K, V, i_v, BK, BV))
+        ds1_t = _tile(_state_block_t(dh_ptr, state_base, K, V, i_v, BK, BV))
+        vn = _tile(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        dq_acc += _dot(do, s0_t, DT, PREC)
+        dw -= _dot(dvn, s0_t, DT, PREC)
+        dk_end += _dot(vn, ds1_t, DT, PREC)
         do_vn += _dot(do, tl.trans(vn), DT, PREC)
-        dgamma_chunk += tl.sum(s0 * ds1, axis=1)
+        dgamma_chunk += tl.sum(s0_t.to(tl.float32) * ds1_t.to(tl.float32), axis=0)
 
-    query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
-    key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+    query = _tile(_rows_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
+    key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
     gamma_mat, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
     ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
     dq = dq_acc * (gamma_in * scale)[:, None] + _dot(ds_mat, key, DT, PREC)
     dk = _dot(tl.trans(ds_mat), query, DT, PREC) + dk_end * gamma_out[:, None]
-    _store_rows(dq_ptr, rows, K, offs_k, mask_t, K, dq)
-    _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
-    _store_rows(dw_ptr, rows, K, offs_k, mask_t, K, dw)
+    tl.store(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, 0, BK), dq.to(dq_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, 0, BK), dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, 0, BK), dw.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
 
     m = ds_mat * _dot(query, tl.trans(key), DT, PREC)   # dΓ ⊙ Γ from the read
-    dgamma_in = tl.sum(query * dq_acc, axis=1) * scale
-    de = tl.sum(key * dk_end, axis=1) * gamma_out
+    dgamma_in = tl.sum(query.to(tl.float32) * dq_acc, axis=1) * scale
+    de = tl.sum(key.to(tl.float32) * dk_end, axis=1) * gamma_out
     last = tl.sum(de, axis=0) + tl.sum(dgamma_chunk, axis=0) * gamma_chunk
     dg = tl.sum(m, axis=1) - tl.sum(m, axis=0) + dgamma_in * gamma_in - de
     dg += tl.where(offs_c == C - 1, last, 0.0)
@@ -151,45 +152,44 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
 
-    tm = _load_rows(tm_ptr, rows, C, offs_c, mask_t, C)
+    tm_t = _tile(_cols_block(tm_ptr, b, h, i_n, T, H, C, C, C))  # Tmᵀ
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
     da = tl.zeros([C, C], dtype=tl.float32)         # dX_V U0ᵀ + dX_K Wᵀ (negated below)
     dbeta = tl.zeros([C], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
-        dvn = _load_rows(dvn_ptr, rows, V, offs_v, mask_t, V)
-        dxv = _dot(tl.trans(tm), dvn, DT, PREC)
-        value = _load_rows(v_ptr, rows, V, offs_v, mask_t, V)
-        u = _load_rows(u_ptr, rows, V, offs_v, mask_t, V)
-        _store_rows(dv_ptr, rows, V, offs_v, mask_t, V, dxv * beta[:, None])
-        dbeta += tl.sum(value * dxv, axis=1)
-        da += _dot(dxv, tl.trans(u), DT, PREC)
+        dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        dxv = _dot(tm_t, dvn, DT, PREC)
+        value = _tile(_rows_block(v_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        u_t = _tile(_cols_block(u_ptr, b, h, i_n, T, H, V, C, BV, i_v * BV))
+        tl.store(_rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV),
+                 (dxv * beta[:, None]).to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
+        dbeta += tl.sum(value.to(tl.float32) * dxv, axis=1)
+        da += _dot(dxv, u_t, DT, PREC)
 
     kk = tl.zeros([C, C], dtype=tl.float32)         # K Kᵀ
     rk = tl.zeros([C], dtype=tl.float32)            # Σ_k K ⊙ dX_K
     for i_k in range(0, tl.cdiv(K, BKW)):
-        offs_k = i_k * BKW + tl.arange(0, BKW)
-        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        w = _load_rows(w_ptr, rows, K, offs_k, mask_t, K)
-        dxk = _dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), DT, PREC)
-        da += _dot(dxk, tl.trans(w), DT, PREC)
+        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, i_k * BKW, BKW))
+        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, BKW, i_k * BKW))
+        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)), DT, PREC)
+        da += _dot(dxk, w_t, DT, PREC)
         kk += _dot(key, tl.trans(key), DT, PREC)
-        rk += tl.sum(key * dxk, axis=1)
+        rk += tl.sum(key.to(tl.float32) * dxk, axis=1)
     da = tl.where(offs_c[:, None] > offs_c[None, :], -da, 0.0)
     p = da * gamma_mat                               # dA ⊙ Γ
     for i_k in range(0, tl.cdiv(K, BKW)):
-        offs_k = i_k * BKW + tl.arange(0, BKW)
-        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        dxk = _dot(tl.trans(tm), _load_rows(dw_ptr, rows, K, offs_k, mask_t, K), DT, PREC)
-        dk = _load_rows(dk_ptr, rows, K, offs_k, mask_t, K)
+        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, i_k * BKW, BKW))
+        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)), DT, PREC)
+        dk_block = _rows_block(dk_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)
+        dk = _tile(dk_block)
         dk += dxk * (beta * gamma_in)[:, None]
         dk += _dot(p, key, DT, PREC) * beta[:, None]
-        dk += _dot(tl.trans(p), key * beta[:, None], DT, PREC)
-        _store_rows(dk_ptr, rows, K, offs_k, mask_t, K, dk)
+        dk += _dot(tl.trans(p), key.to(tl.float32) * beta[:, None], DT, PREC)
+        tl.store(dk_block, dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
     dbeta += gamma_in * rk + tl.sum(p * kk, axis=1)
     tl.store(dbeta_ptr + rows, dbeta, mask=mask_t)
 

@@ -224,6 +224,24 @@ def test_gpu_long_sequence(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gpu_every_state_setting(head_dim, monkeypatch):
+    """Each launch setting the autotuner may pick for the two sequential state kernels
+    (STATE_CONFIGS, forward and backward held to the i-th together), bf16, NaN-poisoned outputs,
+    at a length no chunk divides: outputs and gradients vs the float64 reference (<= 1e-2).
+    A setting that faults here would kill an autotuning run."""
+    from hybridzoo.kernels.triton import delta_rule_bwd
+    from tests.kernels.triton.tuning import tuning_rounds
+
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    configs_of = {triton_delta_rule._state_fwd: triton_delta_rule.STATE_CONFIGS,
+                  delta_rule_bwd._state_bwd: triton_delta_rule.STATE_CONFIGS}
+    for i in tuning_rounds(monkeypatch, configs_of):
+        inputs = make_inputs(B=1, T=1000, Hk=2, H=4, K=head_dim, V=head_dim, dtype=torch.bfloat16, seed=20 + i)
+        check(inputs, chunk_size=64, tol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K, V", [(16, 32), (16, 16), (32, 16)])
 def test_gpu_small_heads(K, V, dtype):
