@@ -117,8 +117,15 @@ def all_kernels():
                     continue
                 params = inspect.signature(kernel.fn).parameters
                 constexprs = {p: values[p] for p in params if "constexpr" in str(params[p].annotation)}
+                launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
                 if module in (delta_rule, delta_rule_bwd):
                     constexprs.update(BK=dr.BK, BV=dr.BV) if "BK" in constexprs else None
+                    if name in ("_wy_fwd_kernel", "_bwd_wy_kernel"):  # the WY kernels' own launch
+                        constexprs.update(BV=dr.bvw, BKW=dr.bkw)
+                        launch_warps = dr.warps_wy
+                    if name == "_bwd_qk_kernel":  # one program per block of bkw key columns
+                        constexprs.update(BK=dr.bkw)
+                        launch_warps = launch.warps(dr.bkw, dr.BV)
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
                 inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
                           else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)
@@ -128,7 +135,6 @@ def all_kernels():
                          for p in params if p not in constexprs}
                 if module is delta_rule_bwd and name in ("_dv_local_kernel", "_state_bwd_kernel"):
                     types["dv_ptr"] = "*fp32"  # there dv_ptr is the float32 dVn buffer, not dv
-                launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
                 if module is prefix_bwd:  # the op's own tile choice for 256-wide heads
                     bm, bn, warps, stages = prefix_bwd._tiles(256, 256, torch_dtype)
                     constexprs.update(BM=bm, BN=bn)

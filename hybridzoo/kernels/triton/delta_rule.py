@@ -236,9 +236,10 @@ def _state_block(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.conste
 
 
 @triton.jit
-def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr):
-    """:func:`_state_block`'s tile transposed, ``[BV, BK]``."""
-    return tl.make_block_ptr(ptr + base, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
+def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr,
+                   k_offset=0):
+    """:func:`_state_block`'s tile transposed, ``[BV, BK]`` (key rows from ``k_offset``)."""
+    return tl.make_block_ptr(ptr + base, (V, K), (1, V), (i_v * BV, k_offset), (BV, BK), (0, 1))
 
 
 @triton.jit

@@ -95,14 +95,18 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                    dq_ptr, dk_ptr, dw_ptr, dg_ptr, scale, T, N,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk and value head: dq (final), dk's read/write parts, dW, and the decay terms dg.
-    Tiles through block pointers, dot operands in their own dtype, the states read transposed."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """Per chunk, value head and block of ``BK`` key columns: dq (final), dk's read/write parts and
+    dW in those columns, and those columns' share of the decay terms dg (every dg term is a sum
+    over key columns: the launch adds the blocks' shares). Tiles through block pointers, dot
+    operands in their own dtype, the states read transposed. Splitting the keys across programs
+    (as fla's dqkwg kernel does) keeps the three ``[C, BK]`` float32 accumulators small."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
+    k0 = i_k * BK
 
     dq_acc = tl.zeros([C, BK], dtype=tl.float32)    # dO S0ᵀ
     dw = tl.zeros([C, BK], dtype=tl.float32)        # −dVn S0ᵀ
@@ -110,8 +114,8 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     do_vn = tl.zeros([C, C], dtype=tl.float32)      # dO Vnᵀ
     dgamma_chunk = tl.zeros([BK], dtype=tl.float32)  # Σ S0 ⊙ dS1, summed at the end
     for i_v in range(0, tl.cdiv(V, BV)):
-        s0_t = _tile(_state_block_t(h_ptr, state_base, K, V, i_v, BK, BV))
-        ds1_t = _tile(_state_block_t(dh_ptr, state_base, K, V, i_v, BK, BV))
+        s0_t = _tile(_state_block_t(h_ptr, state_base, K, V, i_v, BK, BV, k0))
+        ds1_t = _tile(_state_block_t(dh_ptr, state_base, K, V, i_v, BK, BV, k0))
         vn = _tile(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
         dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
         do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
@@ -121,15 +125,15 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
         do_vn += _dot(do, tl.trans(vn), DT, PREC)
         dgamma_chunk += tl.sum(s0_t.to(tl.float32) * ds1_t.to(tl.float32), axis=0)
 
-    query = _tile(_rows_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-    key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
+    query = _tile(_rows_block(q_ptr, b, h // G, i_n, T, H // G, K, C, k0, BK))
+    key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, k0, BK))
     gamma_mat, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
     ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
     dq = dq_acc * (gamma_in * scale)[:, None] + _dot(ds_mat, key, DT, PREC)
     dk = _dot(tl.trans(ds_mat), query, DT, PREC) + dk_end * gamma_out[:, None]
-    tl.store(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, 0, BK), dq.to(dq_ptr.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, 0, BK), dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, 0, BK), dw.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, k0, BK), dq.to(dq_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, k0, BK), dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, k0, BK), dw.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
 
     m = ds_mat * _dot(query, tl.trans(key), DT, PREC)   # dΓ ⊙ Γ from the read
     dgamma_in = tl.sum(query.to(tl.float32) * dq_acc, axis=1) * scale
@@ -137,7 +141,8 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     last = tl.sum(de, axis=0) + tl.sum(dgamma_chunk, axis=0) * gamma_chunk
     dg = tl.sum(m, axis=1) - tl.sum(m, axis=0) + dgamma_in * gamma_in - de
     dg += tl.where(offs_c == C - 1, last, 0.0)
-    tl.store(dg_ptr + (i_bh.to(tl.int64) * N + i_n) * C + offs_c, dg)  # padded to N * C
+    # this key block's share: dg [NK, B, H, N * C] (padded to N * C)
+    tl.store(dg_ptr + ((i_k * tl.num_programs(1) + i_bh).to(tl.int64) * N + i_n) * C + offs_c, dg)
 
 
 @triton.jit
@@ -220,8 +225,11 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     launch.run(_state_bwd, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
                HAS_DHT=has_dht, N_INTERP=cfg.n_interp, fixed=fixed, **state_consts)
     dq, dk, dw = cfg.buf(B, T, H, K), cfg.buf(B, T, H, K), cfg.buf(B, T, H, K)
-    dg = cfg.buf(B, H, N * C)
-    _bwd_qk_kernel[(N, B * H)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N, **consts)
+    nk = triton.cdiv(K, cfg.bkw)  # key blocks of the WY kernels' width (64 on a GPU)
+    dg = cfg.buf(nk, B, H, N * C)
+    _bwd_qk_kernel[(N, B * H, nk)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N,
+                                   **dict(consts, BK=cfg.bkw, num_warps=launch.warps(cfg.bkw, cfg.BV)))
+    dg = dg[0] if nk == 1 else dg.sum(0)
     dv = cfg.buf(B, T, H, V, dtype=v.dtype)
     dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)
     _bwd_wy_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, dvn, dw, dg, dk, dv, dbeta, dla, T, N,
