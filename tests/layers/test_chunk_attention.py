@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridzoo.kernels.reference.attention import attention as reference_attention
 from hybridzoo.layers import chunk_attention as chunk_module
 from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_applies
 from hybridzoo.utils import rel_err
-from tests.layers.concat_truth import concat_autograd
+from tests.layers.seco_attention_helpers import concat_autograd, spy_flash_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -109,28 +108,17 @@ def test_cuda_flash_backward_call_is_well_formed_on_meta_tensors():
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_gpu_flash_path_real_shapes(head_dim, monkeypatch):
     """CUDA with ``FLASH_ON_CUDA`` (the default): the flash backward path is taken
-    and matches float32 autograd of the concatenated sequence, bf16, a 512-token chunk over a
+    and matches float64 autograd of the concatenated sequence, bf16, a 512-token chunk over a
     2000-position prefix in blocks of 768 (a partial last block), GQA 8/2."""
     monkeypatch.setattr(chunk_module, "FLASH_ON_CUDA", True)
-    calls = []
-    real = chunk_module._flash_block_grads
-
-    def counting(*args):
-        block_grads = real(*args)
-        return lambda *a, **k: calls.append(1) or block_grads(*a, **k)
-
-    monkeypatch.setattr(chunk_module, "_flash_block_grads", counting)
+    calls = spy_flash_blocks(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     b, t, p, h, hk = 1, 512, 2000, 8, 2
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
     q, k, v = randn(b, t, h, head_dim), randn(b, t, hk, head_dim), randn(b, t, hk, head_dim)
     k_store, v_store, w = randn(b, p, hk, head_dim), randn(b, p, hk, head_dim), randn(b, t, h, head_dim)
     scale = head_dim ** -0.5
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, k_store, v_store)]
-    q_all = torch.cat([leaves[0].new_zeros(b, p, h, head_dim), leaves[0]], 1)
-    o_ref, _ = reference_attention(q_all, torch.cat([leaves[3], leaves[1]], 1), torch.cat([leaves[4], leaves[2]], 1),
-                                   scale=scale)
-    (o_ref[:, p:] * w).sum().backward()
+    o_ref, *grads_ref = concat_autograd(q, k_store, v_store, k, v, p, scale, w)  # float64
     q16, k16, v16 = (x.to(torch.bfloat16).requires_grad_() for x in (q, k, v))
     assert chunk_attention_applies(q16, v_store, "auto")
     k_grad, v_grad = torch.zeros_like(k_store), torch.zeros_like(v_store)
@@ -138,7 +126,8 @@ def test_gpu_flash_path_real_shapes(head_dim, monkeypatch):
                         block_size=768, scale=scale, k_grad=k_grad, v_grad=v_grad)
     (o.float() * w).sum().backward()
     assert len(calls) == 4  # the chunk's own block + 3 prefix blocks
-    assert rel_err(o.float(), o_ref[:, p:]) <= 2e-2
-    for got, ref in ((q16.grad, leaves[0].grad), (k16.grad, leaves[1].grad), (v16.grad, leaves[2].grad),
-                     (k_grad, leaves[3].grad), (v_grad, leaves[4].grad)):
-        assert torch.isfinite(got).all() and rel_err(got.float(), ref) <= 2e-2, rel_err(got.float(), ref)
+    assert rel_err(o.double(), o_ref) <= 2e-2
+    dq_ref, dk_ref, dv_ref, dk_own_ref, dv_own_ref = grads_ref
+    for got, ref in ((q16.grad, dq_ref), (k16.grad, dk_own_ref), (v16.grad, dv_own_ref),
+                     (k_grad, dk_ref), (v_grad, dv_ref)):
+        assert torch.isfinite(got).all() and rel_err(got.double(), ref) <= 2e-2, rel_err(got.double(), ref)

@@ -17,7 +17,7 @@ from hybridzoo.kernels.reference.attention import attention as reference_attenti
 from hybridzoo.layers import prefix_attention
 from hybridzoo.layers.prefix_attention import block_prefix_attention
 from hybridzoo.utils import rel_err
-from tests.layers.concat_truth import concat_autograd
+from tests.layers.seco_attention_helpers import concat_autograd
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -39,7 +39,7 @@ def inputs(seed: int, heads: int, kv_heads: int):
 
 def full_autograd(x):
     """Grads of ``q``, the prefix keys/values ``[B, P, ...]`` and the chunk's own keys/values for
-    the loss on the merged o and lse (tests/layers/concat_truth.py)."""
+    the loss on the merged o and lse (tests/layers/seco_attention_helpers.py)."""
     return concat_autograd(x["q"], x["k_store"], x["v_store"], x["k_own"], x["v_own"], P, SCALE,
                            x["w_o"], x["w_lse"])[1:]
 

@@ -30,6 +30,7 @@ from hybridzoo.training.seco_engine import (
     seco_step,
 )
 from hybridzoo.utils import rel_err
+from tests.layers.seco_attention_helpers import spy_flash_blocks
 from tests.zoo.tiny import KINDS, tiny_config
 
 T, VOCAB, WINDOW = 23, 37, 5
@@ -548,14 +549,7 @@ def test_cuda_bf16_autocast_passes_the_check_and_tracks_full_backprop(flash, mon
     from hybridzoo.layers import chunk_attention as chunk_module
 
     monkeypatch.setattr(chunk_module, "FLASH_ON_CUDA", flash)
-    calls = []
-    real = chunk_module._flash_block_grads
-
-    def counting(*args):
-        block_grads = real(*args)
-        return lambda *a, **k: calls.append(1) or block_grads(*a, **k)
-
-    monkeypatch.setattr(chunk_module, "_flash_block_grads", counting)
+    calls = spy_flash_blocks(monkeypatch)
     model = cuda_hybrid(15)
     ids, labels = (t.cuda() for t in data(15, length=256))
     full_backprop(model, input_ids=ids, labels=labels)

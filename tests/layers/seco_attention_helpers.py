@@ -1,5 +1,6 @@
-"""Ground truth for SeCO's attention over a stored prefix: autograd through the reference attention
-of the concatenated ``[prefix; chunk]`` sequence, shared by the prefix- and chunk-attention tests."""
+"""Test helpers for SeCO's attention over a stored prefix, shared by the prefix- and chunk-attention
+tests and the SeCO tests: the float64 ground truth (autograd through the reference attention of the
+concatenated ``[prefix; chunk]`` sequence) and a spy on chunk_attention's flash backward."""
 
 from __future__ import annotations
 
@@ -26,3 +27,19 @@ def concat_autograd(q, k_store, v_store, k_own, v_own, length: int, scale: float
     loss.backward()
     return (o[:, length:].detach(), q.grad, k.grad[:, :length], v.grad[:, :length],
             k.grad[:, length:], v.grad[:, length:])
+
+
+def spy_flash_blocks(monkeypatch) -> list:
+    """Count the blocks chunk_attention's flash backward runs: returns a list that gets one entry
+    per block (``_flash_block_grads`` wrapped for the rest of the test)."""
+    from hybridzoo.layers import chunk_attention as chunk_module
+
+    calls = []
+    real = chunk_module._flash_block_grads
+
+    def counting(*args):
+        block_grads = real(*args)
+        return lambda *a, **k: calls.append(1) or block_grads(*a, **k)
+
+    monkeypatch.setattr(chunk_module, "_flash_block_grads", counting)
+    return calls
