@@ -451,10 +451,10 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         # rows of another chunk or loss slice are other rows (rows before loss_slice existed: None)
         # and of the other attention backward (rows before it was recorded: the Triton one)
         flash = chunk_attention.FLASH_ON_CUDA
-        key = lambda tokens, mode: (spec, tokens, mode, chunk_size, loss_slice, flash)  # noqa: E731
-        done = {(r["recipe"], r["tokens"], r["mode"], r["chunk_size"], r.get("loss_slice"), r.get("flash_backward", False))
-                for r in rows}
-        todo = [(tokens, mode) for tokens in lengths for mode in modes if key(tokens, mode) not in done]
+        fields = {"recipe": spec, "chunk_size": chunk_size, "loss_slice": loss_slice, "flash_backward": flash}
+        done = {(setting(r), r["tokens"]) for r in rows}
+        todo = [(tokens, mode) for tokens in lengths for mode in modes
+                if (setting(dict(fields, mode=mode)), tokens) not in done]
         if not todo:
             continue
         torch.manual_seed(seed)
@@ -502,8 +502,8 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
 
         reference: dict[int, tuple[str, list[torch.Tensor]]] = {}
         for tokens, mode in todo:
-            row = {"recipe": spec, "mode": mode, "tokens": tokens, "chunk_size": chunk_size, "loss_slice": loss_slice,
-                   "flash_backward": flash, **({"ce_slice": loss_slice or chunk_size} if mode == "full" else {}),
+            row = {**fields, "mode": mode, "tokens": tokens,
+                   **({"ce_slice": loss_slice or chunk_size} if mode == "full" else {}),
                    "model_flops": step_flops(model, tokens),
                    "predicted_bytes_per_token": info["memory_model"].get(mode, {}).get("device")}
             earlier = sorted((r for r in rows if setting(r) == setting(row) and r["tokens"] < tokens

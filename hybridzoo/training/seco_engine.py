@@ -367,11 +367,11 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
 
 
 def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
-                    loss_slice: int | None = None, on_chunk=None, with_loss=None, run_last: bool = True):
+                    loss_slice: int = LOSS_SLICE, on_chunk=None, with_loss=None, run_last: bool = True):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
     RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
     of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
-    at a time (None: a whole chunk); ``on_chunk(x)`` (the startup check) gets each chunk's
+    at a time; ``on_chunk(x)`` (the startup check) gets each chunk's
     output before the LM head (``layers.head`` makes the logits of it). ``run_last=False``
     records the last chunk's incoming states and RNG state but does not run it: nothing of its
     forward is needed when stage 2 recomputes it (no later chunk reads its states or K/V)."""
@@ -387,7 +387,7 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
         if on_chunk is not None:
             on_chunk(hidden)
         if targets is not None and (with_loss is None or with_loss[j]):
-            chunk_loss = _sliced_loss_sum(layers.head, hidden, targets[:, start:end], loss_slice or end - start)
+            chunk_loss = _sliced_loss_sum(layers.head, hidden, targets[:, start:end], loss_slice)
             total = chunk_loss if total is None else total + chunk_loss
         states = [dataclasses.replace(s, own_k=None, own_v=None) if isinstance(s, BlockKVState) else s
                   for s in states]
