@@ -308,13 +308,35 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # the carried state, so their loads can run a chunk ahead. Compiled for sm_90 at K = V = 128, bf16:
 # 49 / 58 KB of shared memory (forward / backward), 128 / 364 B of spills against 80 / 296 with one
 # stage (scripts/kernel_resources.py); with float32 inputs at K = 256 it does not fit shared memory
-# (279 KB) and the autotuner skips it. Not yet timed.
+# (279 KB) and the autotuner skips it. Timed alone on an H200 (session 8, bf16, B2 T16384 H16
+# K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
+# The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K >= 128).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 
-_state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY)
+def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
+    """The narrowest value tile (``BV``) any delta-rule kernel takes with ``bk``-wide key tiles and
+    inputs of ``dtype``: 32, but 64 for 16-bit inputs from ``bk = 128`` up. There, on an H200 with
+    Triton 3.6 (session 8, ``K = V`` 128 and 256, bf16, one process per setting), 32-wide value
+    tiles made the state backward fault (illegal memory access, K 128, 4 warps) and the output
+    kernel return wrong outputs (relative error 2.1 at K 256, in the block-pointer kernels and in
+    the pointer-tile ones before them alike); every 64-wide setting passed. float32 inputs at
+    K 256 pass with 32-wide tiles (they need them: 64-wide ones with two stages overflow shared
+    memory)."""
+    return 64 if bk >= 128 and dtype.itemsize == 2 else 32
+
+
+def prune_state_configs(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's ``early_config_prune`` for the state kernels: the candidates whose value
+    tile is at least :func:`value_tile_floor` for the launch's key width and input dtype."""
+    args = {**named_args, **kwargs}
+    floor = value_tile_floor(max(32, triton.next_power_of_2(args["K"])), args["k_ptr"].dtype)
+    return [c for c in configs if c.kwargs["BV"] >= floor]
+
+
+_state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
 
 
 class _Config:
@@ -331,12 +353,17 @@ class _Config:
         # poisoned buffer) and _bwd_wy_kernel made an illegal memory access; with 32-wide tiles
         # (columns past K masked) both went away (scripts/probe_delta_small.py, session 6).
         self.BK = max(32, triton.next_power_of_2(self.K))
-        self.BV = min(max(32, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64)
+        # Value tiles: up to 64 wide (32 above K = 128 for float32 inputs, whose state kernels hold
+        # a [BK, BV] float32 state), never below value_tile_floor (64 for 16-bit inputs from
+        # K = 128: 32-wide ones faulted or gave wrong outputs on an H200).
+        self.BV = max(value_tile_floor(self.BK, v.dtype),
+                      min(max(32, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64))
         self.NV = triton.cdiv(self.V, self.BV)
         # float32 inputs: 3xTF32 (exact "ieee" dots made ptxas spill 16-27 KB per thread here)
         self.prec = launch.dot_precision(q.dtype)
         # 4 warps up to 64-wide keys; wider keys follow launch.warps (8 only on 64-wide value tiles:
-        # K > 128 has 32-wide ones, the shape class of the 8-warp fault; see STATE_CONFIGS)
+        # float32 above K = 128 has 32-wide ones, the shape class of the 8-warp fault; see
+        # STATE_CONFIGS)
         self.warps = 4 if self.BK <= 64 else launch.warps(self.BK, self.BV)
         # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).

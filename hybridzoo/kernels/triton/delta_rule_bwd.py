@@ -29,7 +29,8 @@ import triton.language as tl
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
                                                  _cols_block, _dot, _load_rows, _rows_block, _state_block,
-                                                 _state_block_t, _state_decays, _store_rows, _tile)
+                                                 _state_block_t, _state_decays, _store_rows, _tile,
+                                                 prune_state_configs)
 
 
 @triton.jit
@@ -205,7 +206,8 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
 
 
 # dv_ptr (dVn) is updated in place: restored between autotuning trials
-_state_bwd = launch.autotuned(_state_bwd_kernel, STATE_CONFIGS, STATE_KEY, restore=("dv_ptr",))
+_state_bwd = launch.autotuned(_state_bwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs,
+                            restore=("dv_ptr",))
 
 
 def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):

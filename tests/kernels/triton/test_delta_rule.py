@@ -208,6 +208,31 @@ def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
         assert (wy["BV"], wy["num_warps"], wy["BKW"]) == (cfg.BV, cfg.warps, min(cfg.BK, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (128, 128), (128, 32), (64, 32), (16, 32)])
+def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypatch):
+    """The GPU launch (interpreter off): with 16-bit inputs and K >= 128, every kernel's value tile
+    is 64 wide and the state kernels' autotuner never tries a 32-wide one (session 8 on an H200:
+    32-wide value tiles faulted in the state backward at K 128 and gave wrong outputs at K 256);
+    float32 keeps 32-wide tiles above K 128, and narrower keys keep their tiles."""
+    from hybridzoo.kernels.triton import delta_rule, launch
+
+    monkeypatch.setattr(launch, "interpret", lambda: False)
+    cfg = delta_rule._Config(torch.empty(1, 8, 1, K, dtype=dtype), torch.empty(1, 8, 1, V, dtype=dtype), 64)
+    sixteen_bit = dtype != torch.float32
+    if sixteen_bit and K >= 128:
+        expected = 64
+    elif K > 128:
+        expected = 32
+    else:
+        expected = min(max(32, triton.next_power_of_2(V)), 64)
+    assert cfg.BV == expected and cfg.wy_consts()["BV"] >= expected
+    kept = delta_rule.prune_state_configs(delta_rule.STATE_CONFIGS, {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
+    widths = {c.kwargs["BV"] for c in kept}
+    assert widths == ({64} if sixteen_bit and K >= 128 else {32, 64})
+    assert all(c in delta_rule.STATE_CONFIGS for c in kept)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -227,15 +252,17 @@ def test_gpu_long_sequence(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_gpu_every_state_setting(head_dim, monkeypatch):
     """Each launch setting the autotuner may pick for the two sequential state kernels
-    (STATE_CONFIGS, forward and backward held to the i-th together), bf16, NaN-poisoned outputs,
+    (STATE_CONFIGS as prune_state_configs leaves them for bf16, forward and backward held to the
+    i-th together), bf16, NaN-poisoned outputs,
     at a length no chunk divides: outputs and gradients vs the float64 reference (<= 1e-2).
     A setting that faults here would kill an autotuning run."""
     from hybridzoo.kernels.triton import delta_rule_bwd
     from tests.kernels.triton.tuning import tuning_rounds
 
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
-    configs_of = {triton_delta_rule._state_fwd: triton_delta_rule.STATE_CONFIGS,
-                  delta_rule_bwd._state_bwd: triton_delta_rule.STATE_CONFIGS}
+    x = torch.empty(1, dtype=torch.bfloat16)
+    configs = triton_delta_rule.prune_state_configs(triton_delta_rule.STATE_CONFIGS, {"k_ptr": x}, K=head_dim)
+    configs_of = {triton_delta_rule._state_fwd: configs, delta_rule_bwd._state_bwd: configs}
     for i in tuning_rounds(monkeypatch, configs_of):
         inputs = make_inputs(B=1, T=1000, Hk=2, H=4, K=head_dim, V=head_dim, dtype=torch.bfloat16, seed=20 + i)
         check(inputs, chunk_size=64, tol=1e-2)
