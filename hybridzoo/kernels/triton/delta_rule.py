@@ -307,8 +307,8 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # One candidate with two pipelining stages (session 7): a chunk's W, U and keys do not depend on
 # the carried state, so their loads can run a chunk ahead. Compiled for sm_90 at K = V = 128, bf16:
 # 49 / 58 KB of shared memory (forward / backward), 128 / 364 B of spills against 80 / 296 with one
-# stage (scripts/kernel_resources.py); with float32 inputs at K = 256 it does not fit shared memory
-# (279 KB) and the autotuner skips it. Timed alone on an H200 (session 8, bf16, B2 T16384 H16
+# stage (scripts/kernel_resources.py); at K = 256 it does not fit shared memory (bf16 287 KB,
+# float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (session 8, bf16, B2 T16384 H16
 # K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
 # The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K >= 128).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
@@ -330,10 +330,13 @@ def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
 
 def prune_state_configs(configs: list, named_args: dict, **kwargs) -> list:
     """The autotuner's ``early_config_prune`` for the state kernels: the candidates whose value
-    tile is at least :func:`value_tile_floor` for the launch's key width and input dtype."""
+    tile is at least :func:`value_tile_floor` for the launch's key width and input dtype, and
+    two pipelining stages only up to 128-wide keys (above, the state backward needs 287 KB of
+    shared memory in bf16, 279 KB in float32: more than an H200's 227 KB)."""
     args = {**named_args, **kwargs}
-    floor = value_tile_floor(max(32, triton.next_power_of_2(args["K"])), args["k_ptr"].dtype)
-    return [c for c in configs if c.kwargs["BV"] >= floor]
+    bk = max(32, triton.next_power_of_2(args["K"]))
+    floor = value_tile_floor(bk, args["k_ptr"].dtype)
+    return [c for c in configs if c.kwargs["BV"] >= floor and (c.num_stages == 1 or bk <= 128)]
 
 
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
