@@ -6,6 +6,10 @@
 #
 #   DEADLINE_S=1440 bash scripts/gpu_detach.sh <wait_s> "<jobs of GPU 0>" ["<jobs of GPU 1>" ...]
 #
+# Keep <wait_s> at most ~500 for a 600 s call: copying the tree (with .whl/ and .gpu_in/) and the
+# snapshot come on top (session 8: <wait_s> 560 ran into the call's 600 s limit; the snapshot still
+# came back, and the next poll found the run going).
+#
 # Each call's $OUT gets a snapshot of the results so far (results.tar.gz, summary.txt): a lost
 # machine loses only what came after the last call. The run's own final files (with the Triton
 # cache and the mamba_ssm build) come back with the first poll after it ends.

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_jobs.sh "<jobs of GPU 0>" ["<jobs of GPU 1>" ...]
 #
 # Jobs (space separated, run in order within a lane; a lane is one GPU; "<job>~<s>" gives one job
-# <s> seconds instead of JOB_S, within the deadline, e.g. bench=per-key~500):
+# <s> seconds instead of JOB_S, within the deadline, e.g. bench=per-key~500; seco= jobs get the
+# time left to the deadline unless given "~<s>"):
 #   tests[=<paths>]              pytest -m gpu on the comma-separated paths (default: tests), 150 s per
 #                                test (TEST_TIMEOUT), stack dump at 60 s; waits for the mamba_ssm build only when a path
 #                                names mamba or backends (otherwise its adapter test skips);
@@ -64,8 +65,11 @@ wait_mamba() { while [ ! -e "$RES/.mamba_done" ]; do sleep 2; done; }
 
 run_job() {  # $1 = job spec[~seconds]; runs on the lane's GPU
   local spec=${1%%~*} cap lim; lim=$(limit)
-  [ "$spec" != "$1" ] && { cap=${1##*~}; lim=$(left); [ "$cap" -lt "$lim" ] && lim=$cap; }  # instead of JOB_S
   local name=${spec%%=*} arg=${spec#*=}
+  # seco= jobs resume row by row and their long rows are the point of a run: without "~<s>" they
+  # get the time left, not JOB_S (session 8 lost a 1M-token row to the 300 s default)
+  [ "$name" = seco ] && lim=$(left)
+  [ "$spec" != "$1" ] && { cap=${1##*~}; lim=$(left); [ "$cap" -lt "$lim" ] && lim=$cap; }  # instead of JOB_S
   [ "$lim" -le 20 ] && { echo "$spec: no time left" >> "$RES/skipped.txt"; return; }
   [ "$arg" = "$spec" ] && arg=""
   echo "[$(date +%T)] GPU $CUDA_VISIBLE_DEVICES: $spec (limit ${lim}s)" >> "$RES/timeline.txt"
