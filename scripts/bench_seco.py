@@ -95,6 +95,7 @@ from hybridzoo.layers import chunk_attention  # noqa: E402
 from hybridzoo.layers.attention import Attention  # noqa: E402
 from hybridzoo.training.seco_engine import (  # noqa: E402
     LOSS_SLICE,
+    ProgressLog,
     SeCOError,
     SeCOOffloadError,
     _get_rng,
@@ -295,7 +296,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device: torch.device,
                autocast_dtype: torch.dtype | None, block_size: int | None = None,
-               loss_slice: int | None = LOSS_SLICE) -> dict:
+               loss_slice: int | None = LOSS_SLICE, progress=None) -> dict:
     """One measured training step: forward + backward (``step_s``), then ``optimizer.step()``
     (``optim_s``), peak memory over both. Raises what the step raises (out of memory included)."""
     model.zero_grad(set_to_none=True)
@@ -308,7 +309,7 @@ def train_step(model, optimizer, batch: dict, mode: str, chunk_size: int, device
                 loss, num_chunks = full_backprop_step(model, batch, loss_slice or chunk_size), 1
             else:
                 result = seco_step(model, batch, chunk_size, kv_offload=mode == "seco_offload",
-                                   block_size=block_size, loss_slice=loss_slice)
+                                   block_size=block_size, loss_slice=loss_slice, progress=progress)
                 loss, num_chunks = result.loss, result.num_chunks
         _sync(device)
         middle = time.perf_counter()
@@ -523,8 +524,11 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
                 try:
                     batch = make_batch(vocab, tokens, device, seed + tokens)
                     wall = time.perf_counter()
+                    # a long step (1M tokens: minutes) logs its stage and chunk every 30 s, so a run
+                    # cut short still shows how far it got
+                    progress = ProgressLog(30.0, lambda line, tag=f"{spec} {mode} {tokens}": log(f"{tag}: {line}"))
                     row.update(train_step(model, optimizer, batch, mode, chunk_size, device, autocast_dtype,
-                                          block_size, loss_slice))
+                                          block_size, loss_slice, progress))
                     row["wall_s"] = time.perf_counter() - wall
                     row["status"] = "ok"
                     row["us_per_token"] = row["step_s"] / tokens * 1e6

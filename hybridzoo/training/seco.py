@@ -7,6 +7,8 @@ In a recipe, like any callback::
         - class_path: hybridzoo.training.seco.SeCO
           init_args: {chunk_size: 16384, kv_offload: false, spaco_budget: null, check: true}
 
+A step that runs longer than ``progress_every_s`` (30 s) reports its stage and chunk every 30 s.
+
 The engine is :func:`~hybridzoo.training.seco_engine.seco_step` (plain PyTorch, re-exported here);
 this callback only connects it to Lightning's *automatic* optimization, so gradient accumulation,
 gradient clipping, precision plugins, LR schedulers and DDP behave as without SeCO:
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 
 from hybridzoo.training.seco_engine import (
     LOSS_SLICE,
+    ProgressLog,
     SeCOCheckError,
     SeCOError,
     SeCOOffloadError,
@@ -49,7 +53,7 @@ from hybridzoo.training.seco_engine import (
 )
 
 __all__ = ["SeCO", "seco_step", "check_chunked_forward", "SeCOResult", "SeCOError", "SeCOCheckError",
-           "SeCOOffloadError", "host_ram_bytes", "offload_bytes"]
+           "SeCOOffloadError", "ProgressLog", "host_ram_bytes", "offload_bytes"]
 
 HOOK_LINE = 'loss = self.seco.training_loss(self.model, batch) if getattr(self, "seco", None) is not None else ...'
 
@@ -71,17 +75,21 @@ class SeCO(Callback):
         loss_slice: tokens of logits computed at a time for a chunk's loss (default 4096; None =
             the whole chunk): memory only, the gradient is the same.
         seed: seed of SpaCO's chunk draws (default: the global RNG).
+        progress_every_s: a step running longer than this many seconds reports its progress
+            (stage, chunk, seconds; rank 0, Lightning's info log) at most this often, and once
+            more at its end; None = never. Steps shorter than it print nothing.
     """
 
     def __init__(self, chunk_size: int = 4096, kv_offload: bool = False, spaco_budget: int | None = None,
                  check: bool = True, check_tokens: int | None = None, check_tolerance: float | None = None,
                  block_size: int | None = None, seed: int | None = None,
-                 loss_slice: int | None = LOSS_SLICE):
+                 loss_slice: int | None = LOSS_SLICE, progress_every_s: float | None = 30.0):
         check_options(chunk_size, spaco_budget, block_size, loss_slice=loss_slice, error=ValueError)
         self.chunk_size, self.kv_offload, self.spaco_budget = chunk_size, kv_offload, spaco_budget
         self.check, self.check_tokens, self.check_tolerance = check, check_tokens, check_tolerance
         self.block_size, self.loss_slice = block_size, loss_slice
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.progress = None if progress_every_s is None else ProgressLog(progress_every_s, rank_zero_info)
         self.checked = False
         self.calls = 0
         self.last_result: SeCOResult | None = None
@@ -109,7 +117,8 @@ class SeCO(Callback):
             self.checked = True
         result = seco_step(model, batch, self.chunk_size, kv_offload=self.kv_offload,
                            spaco_budget=self.spaco_budget, generator=self.generator,
-                           defer_last=True, block_size=self.block_size, loss_slice=self.loss_slice)
+                           defer_last=True, block_size=self.block_size, loss_slice=self.loss_slice,
+                           progress=self.progress)
         self.calls += 1
         self.last_result = result
         return result.deferred

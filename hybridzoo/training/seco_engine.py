@@ -59,6 +59,11 @@ recomputed one runs (forward and backward) inside ``no_sync()``, so gradients ar
 With ``defer_last=True`` (what Lightning's automatic optimization needs) nothing is written to
 ``.grad``: the returned ``deferred`` scalar's one backward produces this batch's whole gradient.
 
+**Progress**: a step at 1M tokens takes minutes; ``progress(stage, done, total)`` is called with
+``("stage 1", 0, total)`` as a step starts, then after each chunk of either stage
+(:class:`ProgressLog` writes a line at most every N seconds; the callback and
+``scripts/bench_seco.py`` use it). Nothing in it synchronizes the device.
+
 **Startup check**: :func:`check_chunked_forward` compares, on the actual model, the chunked
 forward with carried states against one full forward, block by block, and raises
 :class:`SeCOCheckError` naming the first block that differs. SeCO's exactness rests on that
@@ -72,6 +77,7 @@ import dataclasses
 import inspect
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
 
@@ -90,6 +96,34 @@ CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e
 
 class SeCOError(RuntimeError):
     """SeCO cannot train this model / batch as asked."""
+
+
+class ProgressLog:
+    """A ``progress`` callable for :func:`seco_step` that writes one line (through ``write``) when
+    at least ``every_s`` seconds have passed since the step started or since its last line, e.g.
+    ``SeCO: stage 2, chunk 12/64, 95 s into the step``, and always after the last chunk of a step
+    that wrote one. Short steps stay silent. Times are host wall-clock, without synchronizing the
+    device (the host may run ahead by queued work). One object serves many steps: it restarts
+    its clock when a step starts (``("stage 1", 0, total)``)."""
+
+    def __init__(self, every_s: float = 30.0, write: Callable[[str], None] = print):
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0, got {every_s!r}")
+        self.every_s, self.write = every_s, write
+        self.started = self.last = time.perf_counter()
+        self.lines = 0
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if stage == "stage 1" and done == 0:
+            self.started = self.last = now
+            self.lines = 0
+            return
+        final = stage == "stage 2" and done == total
+        if now - self.last >= self.every_s or (final and self.lines):
+            self.write(f"SeCO: {stage}, chunk {done}/{total}, {now - self.started:.0f} s into the step")
+            self.last = now
+            self.lines += 1
 
 
 class SeCOCheckError(SeCOError):
@@ -367,15 +401,20 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
 
 
 def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
-                    loss_slice: int = LOSS_SLICE, on_chunk=None, with_loss=None, run_last: bool = True):
+                    loss_slice: int = LOSS_SLICE, on_chunk=None, with_loss=None, run_last: bool = True,
+                    progress=None):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
     RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
     of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
     at a time; ``on_chunk(x)`` (the startup check) gets each chunk's
     output before the LM head (``layers.head`` makes the logits of it). ``run_last=False``
     records the last chunk's incoming states and RNG state but does not run it: nothing of its
-    forward is needed when stage 2 recomputes it (no later chunk reads its states or K/V)."""
+    forward is needed when stage 2 recomputes it (no later chunk reads its states or K/V).
+    ``progress("stage 1", done, total)`` comes first with ``done = 0``, then after each chunk run."""
     states = layers.initial()
+    runs = len(bounds) - (0 if run_last else 1)
+    if progress is not None:
+        progress("stage 1", 0, runs)
     saved, rngs, total = [], [], None
     device = layers.device
     for j, (start, end) in enumerate(bounds):
@@ -391,6 +430,8 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
             total = chunk_loss if total is None else total + chunk_loss
         states = [dataclasses.replace(s, own_k=None, own_v=None) if isinstance(s, BlockKVState) else s
                   for s in states]
+        if progress is not None:
+            progress("stage 1", j + 1, runs)
     return total, states, saved, rngs
 
 
@@ -408,6 +449,7 @@ def seco_step(
     defer_last: bool = False,
     block_size: int | None = None,
     loss_slice: int | None = LOSS_SLICE,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> SeCOResult:
     """One exact chunked forward + backward of a causal LM loss (see the module docstring).
 
@@ -429,6 +471,9 @@ def seco_step(
         block_size: prefix positions read per block (default ``chunk_size``).
         loss_slice: tokens of logits computed at a time for the loss (default 4096; None = the
             whole chunk at once). Memory only: the gradient is the same.
+        progress: called as ``progress(stage, done, total)`` ("stage 1" / "stage 2"): once with
+            ``("stage 1", 0, total)`` as the step starts, then after each chunk; e.g. a
+            :class:`ProgressLog`. The engine does not synchronize the device for it.
 
     Returns:
         :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``
@@ -460,7 +505,7 @@ def seco_step(
     with torch.no_grad():
         total, final_states, saved, rngs = _forward_chunks(
             model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice,
-            with_loss=[w == 0 for w in weights], run_last=run_last)
+            with_loss=[w == 0 for w in weights], run_last=run_last, progress=progress)
     stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
               if isinstance(state, BlockKVState)}
     del final_states
@@ -526,11 +571,15 @@ def seco_step(
                     del out_states, states, hidden
                     if last and defer_last:
                         deferred = _deferred(tensors, grads, params, (total / count).detach())
+                        if progress is not None:  # its backward is the caller's
+                            progress("stage 2", n + 1, len(order))
                         break
                     pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
                     if pairs:
                         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                     del tensors, grads, pairs
+                if progress is not None:
+                    progress("stage 2", n + 1, len(order))
                 relay = {i: {name: leaf.grad for name, leaf in layer.items() if leaf.grad is not None}
                          for i, layer in enumerate(leaves) if layer}
                 relay_from = j

@@ -504,6 +504,62 @@ def test_lightning_callback_gives_full_backprop_gradients_with_accumulation():
     assert seco.checked and seco.calls == 2
 
 
+@pytest.mark.parametrize("defer_last", [False, True])
+def test_progress_reports_every_chunk_of_both_stages_in_order(defer_last):
+    """``progress`` gets ("stage 1", 0, n) first, then each stage-1 chunk (the last chunk is not
+    run there), then each stage-2 chunk in the sweep; the gradients are those without it."""
+    ids, labels = data(14)
+    batch = {"input_ids": ids, "labels": labels}
+    model = hybrid(14)
+    seco_step(model, batch, 6)
+    ref = take_grads(model)
+    calls = []
+    result = seco_step(model, batch, 6, defer_last=defer_last, progress=lambda *call: calls.append(call))
+    if defer_last:
+        result.deferred.backward()
+    assert_close(take_grads(model), ref, tol=0 if not defer_last else 1e-12)  # (deferred: summed in another order)
+    k = result.num_chunks  # 23 tokens in chunks of 6: 4
+    assert calls == ([("stage 1", 0, k - 1)] + [("stage 1", j, k - 1) for j in range(1, k)]
+                     + [("stage 2", n, k) for n in range(1, k + 1)])
+
+
+def test_progress_log_is_silent_on_short_steps_and_paced_on_long_ones(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(seco_engine.time, "perf_counter", lambda: clock[0])
+    lines = []
+    log = seco_engine.ProgressLog(30.0, lines.append)
+
+    def step(seconds_per_chunk: float, k: int = 4) -> None:
+        log("stage 1", 0, k - 1)
+        for j in range(1, k):
+            clock[0] += seconds_per_chunk
+            log("stage 1", j, k - 1)
+        for n in range(1, k + 1):
+            clock[0] += seconds_per_chunk
+            log("stage 2", n, k)
+
+    step(1.0)  # 7 s: nothing
+    assert lines == []
+    step(20.0)  # 140 s: a line at 40, 80, 120 s, and the final one at 140 s
+    assert lines == ["SeCO: stage 1, chunk 2/3, 40 s into the step", "SeCO: stage 2, chunk 1/4, 80 s into the step",
+                     "SeCO: stage 2, chunk 3/4, 120 s into the step", "SeCO: stage 2, chunk 4/4, 140 s into the step"]
+    lines.clear()
+    step(1.0)  # the clock restarts with each step: short again, silent again
+    assert lines == []
+    with pytest.raises(ValueError, match="every_s"):
+        seco_engine.ProgressLog(0)
+
+
+def test_callback_reports_progress_unless_told_not_to():
+    from hybridzoo.training.seco import SeCO
+
+    assert isinstance(SeCO(chunk_size=8).progress, seco_engine.ProgressLog)
+    assert SeCO(chunk_size=8).progress.every_s == 30.0
+    assert SeCO(chunk_size=8, progress_every_s=None).progress is None
+    with pytest.raises(ValueError):
+        SeCO(chunk_size=8, progress_every_s=-1)
+
+
 # ---- on a GPU: float32 / bf16 autocast, pinned host stores, torch's fused attention ----------------
 def cuda_hybrid(seed: int) -> HybridLM:
     """hybrid() in float32 on CUDA; recurrent mixers on the reference kernels (this test is about
