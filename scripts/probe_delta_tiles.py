@@ -1,14 +1,18 @@
 """Probe the delta rule's state-kernel launch settings on a GPU, each in its own process (a fault
 kills only its case): bf16 outputs and gradients against the float64 reference (T 2000, a reset,
 NaN-poisoned outputs, CUDA_LAUNCH_BLOCKING=1 so a fault names its kernel), then fwd+bwd time at
-fla's anchor shape (B2 T16384 H16, K = V = 128) for the K-128 settings that passed.
+fla's anchor shape (B2 T16384 H16, K = V = 128) for the K-128 settings that passed (without
+CUDA_LAUNCH_BLOCKING).
 
-    python3 scripts/probe_delta_tiles.py --out DIR [--trees .,/tmp/old] [--heads 128,256]
+    python3 scripts/probe_delta_tiles.py [--out DIR] [--trees .,/tmp/old] [--heads 128,256]
 
 ``--trees``: source trees to import (e.g. a copy with an older ``delta_rule*.py``); each setting is
-``BV,num_warps,num_stages`` for both state kernels (``default``: the op's own launch). Session 8
-found with it that 32-wide value tiles fault or give wrong outputs for bf16 from K = 128
-(benchmarks/results/2026-11-30-probe-delta-tiles-h200.jsonl; see delta_rule.value_tile_floor).
+``BV,num_warps,num_stages`` for both state kernels (``default``: the op's own launch); the other
+kernels keep the tree's own launch. Session 8 found with its first form (a shell loop over the
+same case code: benchmarks/results/2026-11-30-probe-delta-tiles-h200.jsonl) that 32-wide value
+tiles fault or give wrong outputs for bf16 at K 128 and 256; the wrong outputs came from the
+output kernel's 32-wide tiles of that tree's launch, which trees from 384904a on no longer use
+(see delta_rule.value_tile_floor).
 """
 
 from __future__ import annotations
@@ -69,27 +73,37 @@ def case(root: str, head: int, setting: str, mode: str) -> dict:
     return result
 
 
-def spawn(args: list[str], gpu: int, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), CUDA_LAUNCH_BLOCKING="1")
-    return subprocess.Popen([sys.executable, __file__, "--case", *args], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+def spawn(args: list[str], gpu: int, log: Path) -> tuple[subprocess.Popen, Path, list[str]]:
+    """Run one case (``[root, K, setting, mode]``) in its own process on ``gpu``, output to ``log``;
+    correctness cases with CUDA_LAUNCH_BLOCKING=1 (a fault names its launch), timed ones without."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu))
+    if args[3] == "check":
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, "--case", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    return proc, log, args
 
 
-def collect(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> list[dict]:
+def collect(procs: list[tuple[subprocess.Popen, Path, list[str]]], timeout: float) -> list[dict]:
+    """Each case's RESULT line, or a failure naming the case when its process left none."""
     results = []
-    for proc, log in procs:
+    for proc, log, (root, head, setting, mode) in procs:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         lines = [line for line in log.read_text().splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(lines[-1][7:]) if lines else {"log": str(log), "ok": False, "error": "no result"})
+        results.append(json.loads(lines[-1][7:]) if lines else
+                       dict(root=root, K=int(head), setting=setting, mode=mode, ok=False,
+                            error=f"no result (exit {proc.returncode}; see {log})"))
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=False, default="probe_delta_tiles")
+    parser.add_argument("--out", default="probe_delta_tiles", help="output folder (logs, results.jsonl)")
     parser.add_argument("--trees", default=".", help="comma-separated source trees")
     parser.add_argument("--heads", default="128,256")
     parser.add_argument("--parallel", type=int, default=9, help="check processes at once (compiles)")
@@ -109,12 +123,12 @@ def main() -> None:
     results = []
     for start in range(0, len(cases), args.parallel):  # correctness: many processes at once
         batch = cases[start:start + args.parallel]
-        procs = [(spawn([r, h, s, "check"], (start + i) % gpus, out / f"check_{start + i}.log"), out / f"check_{start + i}.log")
+        procs = [spawn([r, h, s, "check"], (start + i) % gpus, out / f"check_{start + i}.log")
                  for i, (r, h, s) in enumerate(batch)]
         results += collect(procs, 300)
     timed = [(r["root"], str(r["K"]), r["setting"]) for r in results if r.get("ok") and r["K"] == 128]
     for start in range(0, len(timed), gpus):  # timing: one process per GPU
-        procs = [(spawn([*c, "time"], i, out / f"time_{start + i}.log"), out / f"time_{start + i}.log")
+        procs = [spawn([*c, "time"], i, out / f"time_{start + i}.log")
                  for i, c in enumerate(timed[start:start + gpus])]
         results += collect(procs, 180)
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))

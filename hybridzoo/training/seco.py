@@ -77,7 +77,8 @@ class SeCO(Callback):
         seed: seed of SpaCO's chunk draws (default: the global RNG).
         progress_every_s: a step running longer than this many seconds reports its progress
             (stage, chunk, seconds; rank 0, Lightning's info log) at most this often, and once
-            more at its end; None = never. Steps shorter than it print nothing.
+            more after its last chunk's forward (its backward is Lightning's); None = never.
+            Steps shorter than it print nothing.
     """
 
     def __init__(self, chunk_size: int = 4096, kv_offload: bool = False, spaco_budget: int | None = None,
@@ -85,6 +86,8 @@ class SeCO(Callback):
                  block_size: int | None = None, seed: int | None = None,
                  loss_slice: int | None = LOSS_SLICE, progress_every_s: float | None = 30.0):
         check_options(chunk_size, spaco_budget, block_size, loss_slice=loss_slice, error=ValueError)
+        if progress_every_s is not None and not progress_every_s > 0:
+            raise ValueError(f"SeCO: progress_every_s must be > 0 seconds or None (never), got {progress_every_s!r}")
         self.chunk_size, self.kv_offload, self.spaco_budget = chunk_size, kv_offload, spaco_budget
         self.check, self.check_tokens, self.check_tolerance = check, check_tokens, check_tolerance
         self.block_size, self.loss_slice = block_size, loss_slice

@@ -101,10 +101,14 @@ class SeCOError(RuntimeError):
 class ProgressLog:
     """A ``progress`` callable for :func:`seco_step` that writes one line (through ``write``) when
     at least ``every_s`` seconds have passed since the step started or since its last line, e.g.
-    ``SeCO: stage 2, chunk 12/64, 95 s into the step``, and always after the last chunk of a step
-    that wrote one. Short steps stay silent. Times are host wall-clock, without synchronizing the
-    device (the host may run ahead by queued work). One object serves many steps: it restarts
-    its clock when a step starts (``("stage 1", 0, total)``)."""
+    ``SeCO: stage 2 (recompute + backward), chunk 12/64, 95 s into the step``, and always after
+    the last chunk of a step that wrote one (with ``defer_last`` the caller's backward of that
+    chunk comes after it). Stage 1 counts one chunk fewer than stage 2: it does not run the last
+    chunk. Short steps stay silent. Times are host wall-clock, without synchronizing the device
+    (the host may run ahead by queued work). One object serves many steps: it restarts its clock
+    when a step starts (``("stage 1", 0, total)``)."""
+
+    STAGES = {"stage 1": "stage 1 (no-grad forward)", "stage 2": "stage 2 (recompute + backward)"}
 
     def __init__(self, every_s: float = 30.0, write: Callable[[str], None] = print):
         if not every_s > 0:
@@ -121,7 +125,8 @@ class ProgressLog:
             return
         final = stage == "stage 2" and done == total
         if now - self.last >= self.every_s or (final and self.lines):
-            self.write(f"SeCO: {stage}, chunk {done}/{total}, {now - self.started:.0f} s into the step")
+            self.write(f"SeCO: {self.STAGES.get(stage, stage)}, chunk {done}/{total}, "
+                       f"{now - self.started:.0f} s into the step")
             self.last = now
             self.lines += 1
 

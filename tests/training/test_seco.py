@@ -541,8 +541,9 @@ def test_progress_log_is_silent_on_short_steps_and_paced_on_long_ones(monkeypatc
     step(1.0)  # 7 s: nothing
     assert lines == []
     step(20.0)  # 140 s: a line at 40, 80, 120 s, and the final one at 140 s
-    assert lines == ["SeCO: stage 1, chunk 2/3, 40 s into the step", "SeCO: stage 2, chunk 1/4, 80 s into the step",
-                     "SeCO: stage 2, chunk 3/4, 120 s into the step", "SeCO: stage 2, chunk 4/4, 140 s into the step"]
+    one, two = "SeCO: stage 1 (no-grad forward)", "SeCO: stage 2 (recompute + backward)"
+    assert lines == [f"{one}, chunk 2/3, 40 s into the step", f"{two}, chunk 1/4, 80 s into the step",
+                     f"{two}, chunk 3/4, 120 s into the step", f"{two}, chunk 4/4, 140 s into the step"]
     lines.clear()
     step(1.0)  # the clock restarts with each step: short again, silent again
     assert lines == []
@@ -556,8 +557,9 @@ def test_callback_reports_progress_unless_told_not_to():
     assert isinstance(SeCO(chunk_size=8).progress, seco_engine.ProgressLog)
     assert SeCO(chunk_size=8).progress.every_s == 30.0
     assert SeCO(chunk_size=8, progress_every_s=None).progress is None
-    with pytest.raises(ValueError):
-        SeCO(chunk_size=8, progress_every_s=-1)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="progress_every_s"):
+            SeCO(chunk_size=8, progress_every_s=bad)
 
 
 # ---- on a GPU: float32 / bf16 autocast, pinned host stores, torch's fused attention ----------------

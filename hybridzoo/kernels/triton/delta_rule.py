@@ -310,7 +310,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # stage (scripts/kernel_resources.py); at K = 256 it does not fit shared memory (bf16 287 KB,
 # float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (session 8, bf16, B2 T16384 H16
 # K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
-# The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K >= 128).
+# The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K > 64).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
@@ -318,13 +318,13 @@ STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
     """The narrowest value tile (``BV``) any delta-rule kernel takes with ``bk``-wide key tiles and
-    inputs of ``dtype``: 32, but 64 for 16-bit inputs from ``bk = 128`` up. There, on an H200 with
-    Triton 3.6 (session 8, ``K = V`` 128 and 256, bf16, one process per setting), 32-wide value
-    tiles made the state backward fault (illegal memory access, K 128, 4 warps) and the output
-    kernel return wrong outputs (relative error 2.1 at K 256, in the block-pointer kernels and in
-    the pointer-tile ones before them alike); every 64-wide setting passed. float32 inputs at
-    K 256 pass with 32-wide tiles (they need them: 64-wide ones with two stages overflow shared
-    memory)."""
+    inputs of ``dtype``: 32, but 64 for 16-bit inputs with key tiles of 128 or more (K > 64).
+    There, on an H200 with Triton 3.6 (session 8, ``K = V`` 128 and 256, bf16, one process per
+    setting), 32-wide value tiles made the state backward fault (illegal memory access, K 128,
+    4 warps) and the output kernel return wrong outputs (relative error 2.1 at K 256, in the
+    block-pointer kernels and in the pointer-tile ones before them alike); every 64-wide setting
+    passed (session 7: the WY forward with 32-wide tiles faulted at K 256 too). float32 inputs at
+    K 256 passed with 32-wide tiles, their fixed launch."""
     return 64 if bk >= 128 and dtype.itemsize == 2 else 32
 
 
@@ -357,8 +357,8 @@ class _Config:
         # (columns past K masked) both went away (scripts/probe_delta_small.py, session 6).
         self.BK = max(32, triton.next_power_of_2(self.K))
         # Value tiles: up to 64 wide (32 above K = 128 for float32 inputs, whose state kernels hold
-        # a [BK, BV] float32 state), never below value_tile_floor (64 for 16-bit inputs from
-        # K = 128: 32-wide ones faulted or gave wrong outputs on an H200).
+        # a [BK, BV] float32 state), never below value_tile_floor (64 for 16-bit inputs with key
+        # tiles of 128 or more: 32-wide ones faulted or gave wrong outputs on an H200).
         self.BV = max(value_tile_floor(self.BK, v.dtype),
                       min(max(32, triton.next_power_of_2(self.V)), 32 if self.BK > 128 else 64))
         self.NV = triton.cdiv(self.V, self.BV)
@@ -376,11 +376,12 @@ class _Config:
         # at least 32 wide, see BK).
         self.bkw = 16 if launch.interpret() else min(self.BK, 64)
         # Value block and warps of the WY kernels. They hold no [BK, BV] state, so above K = 128
-        # they keep K = 128's launch (64-wide value tiles, launch.warps) instead of the 32-wide
-        # value tiles the state kernels need there: at K = V = 256 in bf16, _wy_fwd_kernel with
+        # they keep K = 128's launch (64-wide value tiles, launch.warps) even where the state
+        # kernels take 32-wide ones (float32): at K = V = 256 in bf16, _wy_fwd_kernel with
         # [64, 64] x [64, 32] dots and 4 warps made an illegal memory access on an H200 with
-        # Triton 3.6 (session 7; fp32 at K = 256 and bf16 at K = 128 passed).
-        self.bvw = self.BV if self.BK <= 128 else min(64, max(32, triton.next_power_of_2(self.V)))
+        # Triton 3.6 (session 7; fp32 at K = 256 and bf16 at K = 128 passed). Never narrower
+        # than BV (value_tile_floor), whatever V.
+        self.bvw = self.BV if self.BK <= 128 else max(self.BV, min(64, max(32, triton.next_power_of_2(self.V))))
         self.warps_wy = self.warps if self.BK <= 128 else launch.warps(self.bkw, self.bvw)
         # the sequential kernels' chunk count as a constant under the interpreter, else 0
         self.n_interp = launch.loop_count(self.N)

@@ -87,7 +87,8 @@ def test_tuning_rounds_hold_each_kernel_to_each_config(monkeypatch):
 
 def test_compiled_mode_registers_one_autotuner_per_kernel():
     """Imported as on a GPU machine (no interpreter), every tuned kernel gets its own autotuner
-    under ``<module>.<kernel>`` (the conv and the selective scan both have a ``_fwd_kernel``)."""
+    under ``<module>.<kernel>`` (the conv and the selective scan both have a ``_fwd_kernel``), and
+    the delta rule's state kernels prune their candidates (``prune_state_configs``)."""
     import os
     import subprocess
     import sys
@@ -95,6 +96,9 @@ def test_compiled_mode_registers_one_autotuner_per_kernel():
     code = ("import importlib; from hybridzoo.kernels.triton import launch\n"
             "for m in ('conv', 'linear_attn_bwd', 'delta_rule_bwd', 'selective_scan'):\n"
             "    importlib.import_module('hybridzoo.kernels.triton.' + m)\n"
+            "from hybridzoo.kernels.triton.delta_rule import prune_state_configs\n"
+            "assert all(launch.TUNED[k].early_config_prune is prune_state_configs for k in\n"
+            "           ('delta_rule._state_fwd_kernel', 'delta_rule_bwd._state_bwd_kernel'))\n"
             "print(' '.join(sorted(launch.TUNED)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

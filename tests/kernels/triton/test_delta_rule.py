@@ -209,29 +209,32 @@ def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (128, 128), (128, 32), (64, 32), (16, 32)])
+@pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (256, 32), (128, 128), (128, 32), (96, 16),
+                                  (64, 32), (16, 32)])
 def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypatch):
-    """The GPU launch (interpreter off): with 16-bit inputs and K >= 128, every kernel's value tile
-    is 64 wide and the state kernels' autotuner never tries a 32-wide one (session 8 on an H200:
-    32-wide value tiles faulted in the state backward at K 128 and gave wrong outputs at K 256);
-    float32 keeps 32-wide tiles above K 128, and narrower keys keep their tiles. Two-stage
-    candidates are left out above K 128 (shared memory)."""
+    """The GPU launch (interpreter off): with 16-bit inputs and key tiles of 128 or more (K > 64),
+    every kernel's value tile, the WY kernels' included, is 64 wide and the state kernels'
+    autotuner never tries a 32-wide one (session 8 on an H200: 32-wide value tiles faulted in the
+    state backward at K 128 and gave wrong outputs at K 256); float32 keeps 32-wide tiles above
+    K 128, and narrower keys keep their tiles. Two-stage candidates are left out above K 128
+    (shared memory)."""
     from hybridzoo.kernels.triton import delta_rule, launch
 
     monkeypatch.setattr(launch, "interpret", lambda: False)
     cfg = delta_rule._Config(torch.empty(1, 8, 1, K, dtype=dtype), torch.empty(1, 8, 1, V, dtype=dtype), 64)
     sixteen_bit = dtype != torch.float32
-    if sixteen_bit and K >= 128:
+    if sixteen_bit and K > 64:
         expected = 64
     elif K > 128:
         expected = 32
     else:
         expected = min(max(32, triton.next_power_of_2(V)), 64)
     assert cfg.BV == expected and cfg.wy_consts()["BV"] >= expected
+    if sixteen_bit and K > 64:
+        assert cfg.wy_consts()["BV"] == 64 and cfg.warps == cfg.wy_consts()["num_warps"] == launch.warps(64, 64)
     kept = delta_rule.prune_state_configs(delta_rule.STATE_CONFIGS, {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
     widths = {c.kwargs["BV"] for c in kept}
-    assert widths == ({64} if sixteen_bit and K >= 128 else {32, 64})
-    assert all(c in delta_rule.STATE_CONFIGS for c in kept)
+    assert widths == ({64} if sixteen_bit and K > 64 else {32, 64})
     # two stages only up to K 128 (K 256 overflowed an H200's shared memory with them)
     assert {c.num_stages for c in kept} == ({1} if K > 128 else {1, 2})
 
