@@ -702,13 +702,13 @@ def check_chunked_forward(
             # (qwen35-0.8b, 65,536 tokens: 32 GB in bf16, twice that per chunk in float64)
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # ‖chunked − full‖², ‖full‖²
             offset = [0]
-            finite = [True]
+            finite = torch.ones((), dtype=torch.bool, device=device)  # read once, at the end
 
             def compare_logits(hidden):
                 same_tokens = full_hidden[:, offset[0]:offset[0] + hidden.shape[1]]
                 for (_, _, logits), (_, _, ref) in zip(_head_slices(layers.head, hidden, LOSS_SLICE),
                                                        _head_slices(layers.head, same_tokens, LOSS_SLICE)):
-                    finite[0] &= bool(torch.isfinite(logits).all())
+                    finite.logical_and_(torch.isfinite(logits).all())
                     sums[0] += (logits.double() - ref.double()).square().sum()
                     sums[1] += ref.double().square().sum()
                 offset[0] += hidden.shape[1]
@@ -722,7 +722,7 @@ def check_chunked_forward(
             module.train(mode)
     errors = [rel_err(torch.cat(out, dim=1), ref) for out, ref in zip(outputs, full)]
     logits_error = float((sums[0] / sums[1]).sqrt()) if sums[1] > 0 else float(sums[0].sqrt())
-    errors.append(logits_error if finite[0] else float("inf"))
+    errors.append(logits_error if bool(finite) else float("inf"))
     for i, error in enumerate(errors):
         if not error <= tolerance:  # NaN fails too
             where = (f"block {i} ({inner.blocks[i].kind}, {type(inner.blocks[i].mixer).__name__})"

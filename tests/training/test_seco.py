@@ -336,6 +336,22 @@ def test_startup_check_passes_on_a_good_model_and_names_the_first_bad_block():
     assert all(p.grad is None for p in model.parameters())  # ... before touching anything
 
 
+def test_startup_check_refuses_non_finite_chunked_logits():
+    """Logits that are NaN in the chunked forward only (the LM head's calls alternate: a chunked
+    slice, then the full forward's same tokens) are refused, naming the logits."""
+    model = hybrid(9)
+    ids, labels = data(9)
+    calls = [0]
+
+    def nan_on_chunked(module, inputs, output):
+        calls[0] += 1
+        return output * float("nan") if calls[0] % 2 else output
+
+    model.lm_head.register_forward_hook(nan_on_chunked)
+    with pytest.raises(SeCOCheckError, match="the logits"):
+        check_chunked_forward(model, {"input_ids": ids, "labels": labels}, 4)
+
+
 class LengthLM(HybridLM):
     """Logits that depend on how many tokens a call holds (after every block matched): a forward
     without ``return_hidden``, so SeCO's check compares the logits it returns."""
