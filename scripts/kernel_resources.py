@@ -120,12 +120,13 @@ def all_kernels():
                 launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
                 if module in (delta_rule, delta_rule_bwd):
                     constexprs.update(BK=dr.BK, BV=dr.BV) if "BK" in constexprs else None
-                    if name in ("_wy_fwd_kernel", "_bwd_wy_kernel"):  # the WY kernels' own launch
-                        constexprs.update(BV=dr.bvw, BKW=dr.bkw)
-                        launch_warps = dr.warps_wy
-                    if name == "_bwd_qk_kernel":  # one program per block of bkw key columns
-                        constexprs.update(BK=dr.bkw)
-                        launch_warps = launch.warps(dr.bkw, dr.BV)
+                    # the WY and _bwd_qk kernels' own launches, as the op makes them
+                    own = {"_wy_fwd_kernel": dr.wy_consts, "_bwd_wy_kernel": dr.wy_consts,
+                           "_bwd_qk_kernel": dr.qk_consts}.get(name)
+                    if own is not None:
+                        consts = own()
+                        constexprs.update({k: consts[k] for k in ("BK", "BV", "BKW") if k in constexprs})
+                        launch_warps = consts["num_warps"]
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
                 inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
                           else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)

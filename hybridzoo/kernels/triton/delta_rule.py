@@ -90,14 +90,6 @@ def _load_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, rows, width, offs, mask_t, D: tl.constexpr):
-    """:func:`_load_rows` in the buffer's own dtype: a dot operand loaded as it is (a 16-bit tile
-    widened to float32 holds twice the registers, which the sequential state kernels spill)."""
-    mask = mask_t[:, None] & (offs[None, :] < D)
-    return tl.load(ptr + rows[:, None] * width + offs[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """``a @ b`` with float32 accumulation, operands rounded to ``DT`` (the inputs' dtype): 16-bit
     inputs get bf16/fp16 tensor-core dots as in fla (TF32 dots of float32 tiles ran at half the
@@ -380,8 +372,8 @@ class _Config:
         # kernels take 32-wide ones (float32): at K = V = 256 in bf16, _wy_fwd_kernel with
         # [64, 64] x [64, 32] dots and 4 warps made an illegal memory access on an H200 with
         # Triton 3.6 (session 7; fp32 at K = 256 and bf16 at K = 128 passed). Never narrower
-        # than BV (value_tile_floor), whatever V.
-        self.bvw = self.BV if self.BK <= 128 else max(self.BV, min(64, max(32, triton.next_power_of_2(self.V))))
+        # than BV (value_tile_floor), whatever V; up to K = 128 this is BV itself.
+        self.bvw = max(self.BV, min(64, max(32, triton.next_power_of_2(self.V))))
         self.warps_wy = self.warps if self.BK <= 128 else launch.warps(self.bkw, self.bvw)
         # the sequential kernels' chunk count as a constant under the interpreter, else 0
         self.n_interp = launch.loop_count(self.N)
@@ -393,6 +385,11 @@ class _Config:
     def wy_consts(self) -> dict:
         """:meth:`consts` for the WY kernels (their own value block and warps, see ``bvw``)."""
         return dict(self.consts(), BV=self.bvw, BKW=self.bkw, num_warps=self.warps_wy)
+
+    def qk_consts(self) -> dict:
+        """:meth:`consts` for ``_bwd_qk_kernel``: one program per ``bkw`` key columns, so its key
+        tile is ``bkw`` wide and its warps follow that tile (launch.warps)."""
+        return dict(self.consts(), BK=self.bkw, num_warps=launch.warps(self.bkw, self.BV))
 
     def state_launch(self) -> tuple:
         """``(grid, constants, fixed)`` of an autotuned state kernel for :func:`launch.run`: the

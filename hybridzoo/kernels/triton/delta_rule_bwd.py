@@ -230,7 +230,7 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     nk = triton.cdiv(K, cfg.bkw)  # key blocks of the WY kernels' width (64 on a GPU)
     dg = cfg.buf(nk, B, H, N * C)
     _bwd_qk_kernel[(N, B * H, nk)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N,
-                                   **dict(consts, BK=cfg.bkw, num_warps=launch.warps(cfg.bkw, cfg.BV)))
+                                   **cfg.qk_consts())
     dg = dg[0] if nk == 1 else dg.sum(0)
     dv = cfg.buf(B, T, H, V, dtype=v.dtype)
     dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)

@@ -45,9 +45,7 @@ from hybridzoo.kernels.triton.linear_attn import (
     TUNE_KEY,
     _block,
     _exp_le0,
-    chunk_cumsum,
     fwd_h,
-    intra_A,
     state_dtype,
 )
 
@@ -341,11 +339,11 @@ _bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restor
                             **CHUNK_TUNING)
 
 
-def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *,
-                          need_dlog_a=True, need_dh0=True, b=None, A=None):
+def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A,
+                          need_dlog_a=True, need_dh0=True):
     """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero).
-    ``b`` (the in-chunk cumulative decays, :func:`chunk_cumsum`) and ``A`` (the per-key scores,
-    :func:`intra_A`) as the forward made them, or None: recomputed here."""
+    ``b`` (the in-chunk cumulative decays, ``chunk_cumsum``; None without decay) and ``A`` (the
+    per-key scores, ``intra_A``; None unless per-key) as the forward made them."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     NT = triton.cdiv(T, C)
@@ -357,8 +355,6 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     if dhT is not None:
         dhT = dhT.to(torch.float32).contiguous()
     need_dlog_a = need_dlog_a and decay > 0
-    if b is None and decay:
-        b = chunk_cumsum(log_a, C)
     h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
     b_ = b if b is not None else dummy
 
@@ -370,8 +366,6 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
                BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
                PREC=prec, NT_LOOP=launch.loop_count(NT), fixed=dict(num_warps=launch.warps(BK, BV)))
 
-    if A is None and decay == 2:
-        A = intra_A(q, k, b, H, C)
     dv = launch.empty(v.shape, v.dtype, v.device)
     launch.run(_bwd_dv, lambda args: (triton.cdiv(V, args["BV"]), NT, B * H),
                q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK,

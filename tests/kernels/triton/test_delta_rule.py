@@ -265,7 +265,6 @@ def test_gpu_every_state_setting(head_dim, monkeypatch):
     from hybridzoo.kernels.triton import delta_rule_bwd
     from tests.kernels.triton.tuning import tuning_rounds
 
-    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     x = torch.empty(1, dtype=torch.bfloat16)
     configs = triton_delta_rule.prune_state_configs(triton_delta_rule.STATE_CONFIGS, {"k_ptr": x}, K=head_dim)
     configs_of = {triton_delta_rule._state_fwd: configs, delta_rule_bwd._state_bwd: configs}
