@@ -85,7 +85,7 @@ def cases():
                 "scale": "fp32", "T": "i32", "NT": "i32"}, la, launch.warps(64, 64), 3)
 
 
-INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w"}  # tensors in the inputs' dtype (the rest: float32;
+INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w", "tm"}  # tensors in the inputs' dtype (the rest: float32;
 # linear attention also keeps its chunk states h, dh in the inputs' dtype for 16-bit inputs)
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
@@ -102,7 +102,7 @@ def all_kernels():
         prec = launch.dot_precision(torch_dtype)
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
-                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, N_INTERP=0, NT_LOOP=0,
+                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, HAS_TM=False, N_INTERP=0, NT_LOOP=0,
                       D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0)
         # the delta rule's own settings at K = V = 256 (its _Config on shape-only tensors)
         dr = delta_rule._Config(torch.empty(1, 1, 2, 256, device="meta", dtype=torch_dtype),
@@ -140,8 +140,11 @@ def all_kernels():
                     bm, bn, warps, stages = prefix_bwd._tiles(256, 256, torch_dtype)
                     constexprs.update(BM=bm, BN=bn)
                     launch_warps = warps
-                yield (f"{module.__name__.rsplit('.', 1)[-1]}.{name} {dt}", kernel, types, constexprs, launch_warps,
-                       stages)
+                label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+                yield f"{label} {dt}", kernel, types, constexprs, launch_warps, stages
+                if "HAS_TM" in constexprs:  # the backward's variant too: Tm read, not computed
+                    yield (f"{label} HAS_TM {dt}", kernel, types, dict(constexprs, HAS_TM=True), launch_warps,
+                           stages)
 
 
 # bytes of spill stores per thread a setting may have: the selective scan's fixed backward tile

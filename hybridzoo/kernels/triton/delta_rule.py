@@ -14,8 +14,10 @@ sum, as :func:`~hybridzoo.kernels.reference.segsum.segsum`), so ``log_a = -inf``
 NaN. States are float32; matrix products accumulate in float32, on operands rounded to the
 inputs' dtype (bf16/fp16 tensor cores for 16-bit inputs, as fla; 3xTF32 for float32 inputs), except
 the triangular inverse, always float32-accurate (float32 FMAs on its 16 x 16 diagonal blocks,
-3xTF32 dots to merge them). The backward (:mod:`.delta_rule_bwd`) recomputes ``Tm, W,
-U0`` and the chunk states from the saved inputs instead of storing them.
+3xTF32 dots to merge them; stored, like ``W``, in the inputs' dtype, the dtype every dot that
+reads it rounds it to). The forward keeps ``Tm`` (as fla keeps its ``A``); the backward
+(:mod:`.delta_rule_bwd`) recomputes ``W, U0`` from it and the chunk states from the saved inputs
+instead of storing them.
 
 ``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
 or 64 are used as given, any other value runs with 64.
@@ -157,8 +159,13 @@ def _unit_lower_inverse(a, C: tl.constexpr):
 def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, HAS_TM: tl.constexpr):
     """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``.
+
+    ``Tm`` is stored in the inputs' dtype (every use of it is a dot operand rounded to that dtype,
+    so nothing is lost). ``HAS_TM``: ``Tm`` is read from ``tm_ptr`` (the forward's, which the
+    backward keeps) instead of being computed: A's dots and the inverse are skipped, and W and U0
+    come out bit for bit as in the forward.
 
     Keys are visited in blocks of ``BKW`` columns (twice: A needs every key before Tm exists), so
     no whole ``[C, K]`` key tile is live across the inverse. With it (and ``diag(β) K``) held,
@@ -174,14 +181,17 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
 
-    a = tl.zeros([C, C], dtype=tl.float32)  # diag(β) K Kᵀ
-    for i_k in range(0, tl.cdiv(K, BKW)):
-        offs_k = i_k * BKW + tl.arange(0, BKW)
-        key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
-        a += _dot(key * beta[:, None], tl.trans(key), DT, PREC)
-    a = tl.where(offs_c[:, None] > offs_c[None, :], a * gamma_mat, 0.0)
-    tm = _unit_lower_inverse(a, C)
-    _store_rows(tm_ptr, rows, C, offs_c, mask_t, C, tm)
+    if HAS_TM:
+        tm = _load_rows(tm_ptr, rows, C, offs_c, mask_t, C)
+    else:
+        a = tl.zeros([C, C], dtype=tl.float32)  # diag(β) K Kᵀ
+        for i_k in range(0, tl.cdiv(K, BKW)):
+            offs_k = i_k * BKW + tl.arange(0, BKW)
+            key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
+            a += _dot(key * beta[:, None], tl.trans(key), DT, PREC)
+        a = tl.where(offs_c[:, None] > offs_c[None, :], a * gamma_mat, 0.0)
+        tm = _unit_lower_inverse(a, C)
+        _store_rows(tm_ptr, rows, C, offs_c, mask_t, C, tm)
     for i_k in range(0, tl.cdiv(K, BKW)):
         offs_k = i_k * BKW + tl.arange(0, BKW)
         key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -403,14 +413,18 @@ class _Config:
         return launch.empty(shape, dtype, self.device)
 
 
-def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state):
-    """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, float32 but ``w``
-    (the inputs' dtype)."""
+def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state, tm=None):
+    """Run the WY and state-passing kernels: ``(tm, w, u, h, vn, final_state)``, float32 but ``tm``
+    and ``w`` (the inputs' dtype). ``tm``: the forward's ``[B, T, H, C]`` triangular inverse, to
+    reuse instead of recomputing it (the backward passes it)."""
     B, T, H, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.C, cfg.N
-    # W is only ever a dot operand (rounded to the inputs' dtype there), so it is stored in that
-    # dtype: the same results, half its bytes and registers in the state kernels
-    tm, w, u = cfg.buf(B, T, H, C), cfg.buf(B, T, H, K, dtype=k.dtype), cfg.buf(B, T, H, V)
-    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, **cfg.wy_consts())
+    # Tm and W are only ever dot operands (rounded to the inputs' dtype there), so they are stored
+    # in that dtype: the same results, half their bytes (and W's registers in the state kernels)
+    has_tm = tm is not None
+    if not has_tm:
+        tm = cfg.buf(B, T, H, C, dtype=k.dtype)
+    w, u = cfg.buf(B, T, H, K, dtype=k.dtype), cfg.buf(B, T, H, V)
+    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, HAS_TM=has_tm, **cfg.wy_consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
     grid, consts, fixed = cfg.state_launch()
@@ -423,11 +437,13 @@ class _ChunkDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_a, beta, initial_state, scale, chunk_size):
         cfg = _Config(q, v, chunk_size)
-        _, _, _, h, vn, ht = _recompute_states(cfg, k, v, beta, log_a, initial_state)
+        tm, _, _, h, vn, ht = _recompute_states(cfg, k, v, beta, log_a, initial_state)
         o = cfg.buf(cfg.B, cfg.T, cfg.H, cfg.V, dtype=v.dtype)
         _output_kernel[(cfg.N, cfg.B * cfg.H, cfg.NV)](q, k, log_a, h, vn, o, scale, cfg.T, cfg.N,
                                                         **cfg.consts())
-        ctx.save_for_backward(q, k, v, log_a, beta, initial_state)
+        # Tm ([B, T, H, C] in the inputs' dtype, C/K of k's bytes) is kept, as fla keeps its A:
+        # the backward's recompute then skips A's dots and the inverse
+        ctx.save_for_backward(q, k, v, log_a, beta, initial_state, tm)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         return o, ht
 
@@ -435,9 +451,9 @@ class _ChunkDeltaRule(torch.autograd.Function):
     def backward(ctx, do, dht):
         from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
 
-        q, k, v, log_a, beta, initial_state = ctx.saved_tensors
+        q, k, v, log_a, beta, initial_state, tm = ctx.saved_tensors
         cfg = _Config(q, v, ctx.chunk_size)
-        states = _recompute_states(cfg, k, v, beta, log_a, initial_state)
+        states = _recompute_states(cfg, k, v, beta, log_a, initial_state, tm=tm)
         dq, dk, dv, dla, dbeta, dh0 = delta_rule_backward(
             cfg, q, k, v, log_a, beta, states, do.contiguous(), dht, ctx.scale)
         return dq, dk, dv, dla, dbeta, (dh0 if initial_state is not None else None), None, None

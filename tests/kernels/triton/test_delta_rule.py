@@ -191,6 +191,38 @@ def test_head_dim_256():
     check(make_inputs(B=1, T=40, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
+    """The forward keeps Tm in the inputs' dtype and the backward's recompute reads it (HAS_TM)
+    instead of rebuilding A and its inverse: W and U0 come out bit for bit as the full WY pass
+    gives them, and the backward launches the WY forward only in its reading form."""
+    inputs = make_inputs(B=1, T=40, Hk=1, H=2, K=32, V=24, dtype=dtype, seed=3)
+    cfg = triton_delta_rule._Config(inputs["q"], inputs["v"], 16)
+    args = [inputs[n] for n in ("k", "v", "beta")] + [inputs["log_a"], inputs["initial_state"]]
+    tm, w, u, h, vn, ht = triton_delta_rule._recompute_states(cfg, *args)
+    assert tm.dtype == dtype and tm.shape == (1, 40, 2, cfg.C)
+    again = triton_delta_rule._recompute_states(cfg, *args, tm=tm)
+    assert again[0] is tm
+    for name, x, y in zip(("w", "u", "h", "vn", "final_state"), (w, u, h, vn, ht), again[1:]):
+        assert torch.equal(x, y), name
+    # a different Tm gives different W: the reading form does use what it is given
+    assert not torch.equal(triton_delta_rule._recompute_states(cfg, *args, tm=tm * 0.5)[1], w)
+
+    launches = []
+    kernel = triton_delta_rule._wy_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def call(*a, **kw):
+                launches.append(kw["HAS_TM"])
+                return kernel[grid](*a, **kw)
+            return call
+
+    monkeypatch.setattr(triton_delta_rule, "_wy_fwd_kernel", Spy())
+    check(inputs, chunk_size=16, tol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert launches == [False, True]
+
+
 @pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (128, 128), (64, 64)])
 def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
     """The GPU launch settings (interpreter off): the WY kernels hold no [BK, BV] state, so above
