@@ -64,8 +64,11 @@ def cases():
     the delta rule as in gated-deltanet-340m; K = V = 128 for linear attention)."""
     for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         ptr, prec = f"*{dt}", launch.dot_precision(torch_dtype)  # the precision the ops use
-        cfg = dict(H=6, G=1, K=128, V=256, C=64, BK=128, BV=64, PREC=prec)
-        warps, stages = 8, 1  # delta_rule._Config for BK = 128
+        # the delta rule's own settings (its _Config on shape-only tensors; the state kernels'
+        # fixed launch, which the autotuner's candidates vary)
+        cfg = delta_rule._Config(torch.empty(1, 1, 6, 128, device="meta", dtype=torch_dtype),
+                                 torch.empty(1, 1, 6, 256, device="meta", dtype=torch_dtype), 64).consts()
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         yield (f"delta_rule _state_fwd_kernel {dt}", delta_rule._state_fwd_kernel,
                {"k_ptr": ptr, "w_ptr": ptr, **{n: "*fp32" for n in ("u_ptr", "la_ptr", "h0_ptr", "h_ptr", "vn_ptr",
                                                                      "ht_ptr")}, "T": "i32", "N": "i32"},

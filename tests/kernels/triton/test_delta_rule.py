@@ -223,21 +223,25 @@ def test_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
     assert launches == [False, True]
 
 
-@pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (128, 128), (64, 64)])
+# (K, V) -> the float32 launch: state kernels' value tile and warps, WY kernels' value tile, key
+# block and warps (launch.WARPS = 8 on tiles at least 64 wide, else 4)
+WY_LAUNCH = {(256, 256): (32, 4, 64, 64, 8), (256, 100): (32, 4, 64, 64, 8),
+             (128, 128): (64, 8, 64, 64, 8), (64, 64): (64, 4, 64, 64, 4)}
+
+
+@pytest.mark.parametrize("K, V", list(WY_LAUNCH))
 def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
-    """The GPU launch settings (interpreter off): the WY kernels hold no [BK, BV] state, so above
-    K = 128 they keep 64-wide value tiles and launch.warps (bf16 K = V = 256 with the state
-    kernels' 32-wide value tiles and 4 warps faulted on an H200); up to K = 128 they share the
-    other kernels' settings."""
+    """The GPU launch settings (interpreter off), float32 inputs: the WY kernels hold no [BK, BV]
+    state, so above K = 128 they keep K = 128's launch (64-wide value tiles, 8 warps) where the
+    state kernels take 32-wide value tiles and 4 warps (bf16 K = V = 256 with the state kernels'
+    tiles and warps faulted in the WY forward on an H200); at K = 64, 4 warps throughout."""
     from hybridzoo.kernels.triton import delta_rule, launch
 
     monkeypatch.setattr(launch, "interpret", lambda: False)
+    monkeypatch.setattr(launch, "WARPS", 8)
     cfg = delta_rule._Config(torch.empty(1, 8, 1, K), torch.empty(1, 8, 1, V), 64)
     wy = cfg.wy_consts()
-    if K > 128:
-        assert cfg.BV == 32 and wy["BV"] == 64 and wy["BKW"] == 64 and wy["num_warps"] == launch.warps(64, 64)
-    else:
-        assert (wy["BV"], wy["num_warps"], wy["BKW"]) == (cfg.BV, cfg.warps, min(cfg.BK, 64))
+    assert (cfg.BV, cfg.warps, wy["BV"], wy["BKW"], wy["num_warps"]) == WY_LAUNCH[K, V]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
