@@ -16,15 +16,18 @@ timed too, in both forms (computing Tm, and HAS_TM: reading it).
 
     python3 scripts/probe_delta_inverse.py . OUT.json          # on a GPU
     TRITON_INTERPRET=1 python3 scripts/probe_delta_inverse.py . OUT.json   # CPU smoke, tiny shapes
+    python3 scripts/probe_delta_inverse.py . --compile         # sm_90 registers / spills, no GPU
 
 Result on an H200 (benchmarks/results/2026-11-30-probe-delta-inverse-h200.json): MODE 0 stays.
-TF32 merges save 0.27 ms of 0.85 (bf16) but give 1.4e-2 relative error on the adversarial chunk
-(3x bf16's rounding; 5e-6 with 3xTF32); the scratch read-back spills ~2 KB per thread on sm_90 and
-is 2.8x slower.
+On random inputs every form has the same error (A's bf16 operands dominate it); on the
+adversarial chunk TF32 merges give 1.36e-2 relative error, 3.5x bf16's unit roundoff 2^-8
+(3xTF32: 5e-6), for 0.27 ms of 0.85 saved; the scratch read-back with 3xTF32 spills ~2 KB per
+thread on sm_90 (``--compile``, recorded in the JSON) and is 2.8x slower.
 """
 import json, sys
 root, out = sys.argv[1], sys.argv[2]
 sys.path.insert(0, root)
+sys.path.insert(0, root + "/scripts")
 import torch, triton
 import triton.language as tl
 from hybridzoo.kernels.triton import delta_rule as dr
@@ -107,6 +110,22 @@ def reference(k, beta, la, C=64):
     tm = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
     return tm.permute(0, 2, 3, 1, 4).reshape(B, T, H, C)
 
+
+if out == "--compile":  # each form compiled for sm_90 at K 128, the op's WY warps (no GPU needed)
+    import kernel_resources
+    rows = []
+    for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = dr._Config(torch.empty(1, 1, 16, 128, device="meta", dtype=torch_dtype),
+                         torch.empty(1, 1, 16, 128, device="meta", dtype=torch_dtype), 64)
+        types = dict(k_ptr=f"*{dt}", beta_ptr=f"*{dt}", la_ptr="*fp32", tm_ptr="*fp32", scr_ptr="*fp32",
+                     T="i32", N="i32")
+        for mode in range(4):
+            consts = dict(H=16, G=1, K=128, C=64, BKW=64, PREC=cfg.prec, MODE=mode,
+                          MPREC="tf32" if mode in (1, 3) else "tf32x3")
+            row = dict(dtype=dt, mode=mode, num_warps=cfg.warps_wy,
+                       **kernel_resources.resources(_inv_kernel, types, consts, cfg.warps_wy, 1))
+            rows.append(row); print(json.dumps(row))
+    sys.exit(0)
 
 res = []
 CASES = ((torch.bfloat16, (2, 16384, 16, 128), False), (torch.bfloat16, (2, 4096, 16, 128), True),

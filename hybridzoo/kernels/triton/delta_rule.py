@@ -441,8 +441,9 @@ class _ChunkDeltaRule(torch.autograd.Function):
         o = cfg.buf(cfg.B, cfg.T, cfg.H, cfg.V, dtype=v.dtype)
         _output_kernel[(cfg.N, cfg.B * cfg.H, cfg.NV)](q, k, log_a, h, vn, o, scale, cfg.T, cfg.N,
                                                         **cfg.consts())
-        # Tm ([B, T, H, C] in the inputs' dtype, C/K of k's bytes) is kept, as fla keeps its A:
-        # the backward's recompute then skips A's dots and the inverse
+        # Tm ([B, T, H, C] in the inputs' dtype: C/V of v's bytes, C · 2 B per token and value head
+        # for 16-bit inputs) is kept, as fla keeps its A: the backward's recompute then skips A's
+        # dots and the inverse
         ctx.save_for_backward(q, k, v, log_a, beta, initial_state, tm)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         return o, ht
@@ -487,7 +488,8 @@ def chunk_delta_rule(
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``. Gradients flow
-        to q, k, v, log_a, beta and initial_state, and from final_state.
+        to q, k, v, log_a, beta and initial_state, and from final_state. For the backward it keeps
+        the inputs and the ``[B, T, H, C]`` triangular inverse (v's dtype; ``C`` = 64 on a GPU).
     """
     _check(q, k, v, log_a, beta, initial_state, step=False)
     if q.device.type != "cuda" and not launch.interpret():

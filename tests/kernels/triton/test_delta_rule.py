@@ -191,21 +191,20 @@ def test_head_dim_256():
     check(make_inputs(B=1, T=40, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
+def check_inverse_reuse(inputs, chunk_size, tol, monkeypatch):
     """The forward keeps Tm in the inputs' dtype and the backward's recompute reads it (HAS_TM)
-    instead of rebuilding A and its inverse: W and U0 come out bit for bit as the full WY pass
-    gives them, and the backward launches the WY forward only in its reading form."""
-    inputs = make_inputs(B=1, T=40, Hk=1, H=2, K=32, V=24, dtype=dtype, seed=3)
-    cfg = triton_delta_rule._Config(inputs["q"], inputs["v"], 16)
+    instead of rebuilding A and its inverse: W, U0, the states and Vn come out bit for bit as the
+    full WY pass gives them, a different Tm changes W, and the op (checked against the float64
+    reference) launches the WY forward computing Tm, then reading it."""
+    cfg = triton_delta_rule._Config(inputs["q"], inputs["v"], chunk_size)
     args = [inputs[n] for n in ("k", "v", "beta")] + [inputs["log_a"], inputs["initial_state"]]
     tm, w, u, h, vn, ht = triton_delta_rule._recompute_states(cfg, *args)
-    assert tm.dtype == dtype and tm.shape == (1, 40, 2, cfg.C)
+    B, T, H = inputs["v"].shape[:3]
+    assert tm.dtype == inputs["v"].dtype and tm.shape == (B, T, H, cfg.C)
     again = triton_delta_rule._recompute_states(cfg, *args, tm=tm)
     assert again[0] is tm
     for name, x, y in zip(("w", "u", "h", "vn", "final_state"), (w, u, h, vn, ht), again[1:]):
         assert torch.equal(x, y), name
-    # a different Tm gives different W: the reading form does use what it is given
     assert not torch.equal(triton_delta_rule._recompute_states(cfg, *args, tm=tm * 0.5)[1], w)
 
     launches = []
@@ -219,8 +218,15 @@ def test_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
             return call
 
     monkeypatch.setattr(triton_delta_rule, "_wy_fwd_kernel", Spy())
-    check(inputs, chunk_size=16, tol=1e-5 if dtype == torch.float32 else 2e-2)
+    check(inputs, chunk_size=chunk_size, tol=tol)
     assert launches == [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
+    """:func:`check_inverse_reuse` under the interpreter (T 40, chunk 16)."""
+    inputs = make_inputs(B=1, T=40, Hk=1, H=2, K=32, V=24, dtype=dtype, seed=3)
+    check_inverse_reuse(inputs, 16, 1e-5 if dtype == torch.float32 else 2e-2, monkeypatch)
 
 
 # (K, V) -> the float32 launch: state kernels' value tile and warps, WY kernels' value tile, key
@@ -307,6 +313,15 @@ def test_gpu_every_state_setting(head_dim, monkeypatch):
     for i in tuning_rounds(monkeypatch, configs_of):
         inputs = make_inputs(B=1, T=1000, Hk=2, H=4, K=head_dim, V=head_dim, dtype=torch.bfloat16, seed=20 + i)
         check(inputs, chunk_size=64, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_backward_reuses_the_forwards_inverse(dtype, monkeypatch):
+    """:func:`check_inverse_reuse` on the GPU: K = V = 128, GQA (Hk 2, H 4), a ragged T (1000, not
+    a multiple of the chunk 64), an initial state (fp32 <= 1e-4, 16-bit <= 1e-2 vs float64)."""
+    inputs = make_inputs(B=2, T=1000, Hk=2, H=4, K=128, V=128, dtype=dtype, seed=5)
+    check_inverse_reuse(inputs, 64, 1e-4 if dtype == torch.float32 else 1e-2, monkeypatch)
 
 
 @pytest.mark.gpu
