@@ -13,6 +13,13 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
     python scripts/kernel_resources.py --spills   # the conv and selective-scan kernels at every
                                                   # launch setting they may run with: no spills
                                                   # (beyond the allowance named in SPILL_ALLOWED)
+    python scripts/kernel_resources.py --fingerprint BEFORE.json   # a hash of each kernel's PTX
+    python scripts/kernel_resources.py --fingerprint AFTER.json --compare BEFORE.json
+
+``--fingerprint`` covers the kernels of the table and of ``--all`` and ``--spills``; line and debug
+information is left out of the hash, so a refactor whose kernels all keep their PTX (argument
+order, helper extraction, comments) is shown to change no launch on any GPU: session 9 aligned
+``_cols_block``'s arguments with ``_rows_block``'s this way, with no GPU run.
 """
 
 from __future__ import annotations
@@ -206,7 +213,48 @@ def check_spills() -> int:
     return 1 if bad else 0
 
 
+def ptx_fingerprint(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4,
+                    num_stages: int = 3) -> str:
+    """A hash of ``kernel``'s sm_90 PTX (as :func:`resources` compiles it) without its line and
+    debug information (``.loc``, ``.file``, comments, ``.debug_*`` sections, label names)."""
+    import hashlib
+
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+    source = ASTSource(kernel, signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    text = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    lines = [re.sub(r"\$L__\w+", "L", line) for line in text.split(".section\t.debug")[0].splitlines()
+             if not re.match(r"\s*(\.loc|\.file|//)", line)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def fingerprints(path: str, compare: str | None) -> int:
+    """Write ``{kernel setting: PTX hash}`` to ``path``; with ``compare``, list the settings whose
+    hash differs from that file's (or is new / gone) and return 1 if any does."""
+    import json
+
+    result = {}
+    for group in (cases(), all_kernels(), elementwise_settings()):
+        for name, kernel, types, constexprs, warps, stages in group:
+            result[name] = ptx_fingerprint(kernel, types, constexprs, warps or 4, stages or 3)
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(result)} kernel settings -> {path}")
+    if compare is None:
+        return 0
+    before = json.loads(Path(compare).read_text())
+    changed = sorted(k for k in before.keys() | result.keys() if before.get(k) != result.get(k))
+    for name in changed:
+        print(f"PTX differs: {name} ({before.get(name, 'new')} -> {result.get(name, 'gone')})")
+    print("every kernel's PTX is identical" if not changed else f"{len(changed)} kernel settings differ")
+    return 1 if changed else 0
+
+
 def main() -> int:
+    args = sys.argv[1:]
+    if "--fingerprint" in args:
+        compare = args[args.index("--compare") + 1] if "--compare" in args else None
+        return fingerprints(args[args.index("--fingerprint") + 1], compare)
     if "--spills" in sys.argv[1:]:
         return check_spills()
     if "--all" in sys.argv[1:]:

@@ -217,9 +217,9 @@ def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: 
 
 @triton.jit
 def _cols_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
-                BW: tl.constexpr, offset=0):
-    """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``): a dot's left
-    operand read in the layout the dot takes, not transposed in registers."""
+                offset, BW: tl.constexpr):
+    """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``; the same
+    arguments): a dot's left operand read in the layout the dot takes, not transposed in registers."""
     base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
     return tl.make_block_ptr(base, (WIDTH, T), (1, HEADS * WIDTH), (offset, i_n * C), (BW, C), (0, 1))
 
@@ -267,7 +267,7 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
         vn = u - _dot(w, state, DT, PREC)
         tl.store(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), vn.to(vn_ptr.dtype.element_ty),
                  boundary_check=(0, 1))
-        key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, BK))
+        key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
         state = state * gamma_chunk + _dot(key_t, vn * gamma_out[:, None], DT, PREC)
     tl.store(_state_block(ht_ptr, s_base, K, V, i_v, BK, BV), state, boundary_check=(0, 1))

@@ -82,9 +82,9 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
         dvn = _tile(dv_block).to(tl.float32)
         dvn += _dot(key, dstate, DT, PREC) * gamma_out[:, None]
         tl.store(dv_block, dvn.to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
-        query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, BK))
+        query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
-        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, BK))
+        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
         dstate = dstate * gamma_chunk
         dstate += _dot(query_t, do * (gamma_in * scale)[:, None], DT, PREC)
         dstate -= _dot(w_t, dvn, DT, PREC)
@@ -161,7 +161,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
     offs_c = tl.arange(0, C)
 
-    tm_t = _tile(_cols_block(tm_ptr, b, h, i_n, T, H, C, C, C))  # Tmᵀ
+    tm_t = _tile(_cols_block(tm_ptr, b, h, i_n, T, H, C, C, 0, C))  # Tmᵀ
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
     da = tl.zeros([C, C], dtype=tl.float32)         # dX_V U0ᵀ + dX_K Wᵀ (negated below)
@@ -170,7 +170,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
         dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
         dxv = _dot(tm_t, dvn, DT, PREC)
         value = _tile(_rows_block(v_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        u_t = _tile(_cols_block(u_ptr, b, h, i_n, T, H, V, C, BV, i_v * BV))
+        u_t = _tile(_cols_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
         tl.store(_rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV),
                  (dxv * beta[:, None]).to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
         dbeta += tl.sum(value.to(tl.float32) * dxv, axis=1)
@@ -180,7 +180,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
     rk = tl.zeros([C], dtype=tl.float32)            # Σ_k K ⊙ dX_K
     for i_k in range(0, tl.cdiv(K, BKW)):
         key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, i_k * BKW, BKW))
-        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, BKW, i_k * BKW))
+        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW))
         dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)), DT, PREC)
         da += _dot(dxk, w_t, DT, PREC)
         kk += _dot(key, tl.trans(key), DT, PREC)

@@ -50,3 +50,34 @@ def test_elementwise_kernels_do_not_spill_at_any_launch_setting():
     lines = [line for line in result.stdout.splitlines() if " spills " in line]
     assert len(lines) >= 15, result.stdout + result.stderr
     assert result.returncode == 0, "\n".join(line for line in lines if "SPILLS" in line or "error" in line)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel ships no ptxas")
+def test_ptx_fingerprint_ignores_line_numbers_and_sees_launch_changes(tmp_path):
+    """``kernel_resources.ptx_fingerprint`` (the evidence that a kernel refactor changes no launch):
+    the same kernel gives the same hash from source shifted by blank lines, and a different hash
+    at another launch setting."""
+    script = f"""
+import importlib.util, sys
+sys.path.insert(0, {str(ROOT / 'scripts')!r})
+import kernel_resources as kr
+name, kernel, types, constexprs, warps, stages = next(iter(kr.elementwise_settings()))
+first = kr.ptx_fingerprint(kernel, types, constexprs, warps, stages)
+# the kernel's module again from a copy of its source with blank lines at the top
+path = kernel.fn.__code__.co_filename
+shifted = {str(tmp_path / 'shifted.py')!r}
+open(shifted, 'w').write(chr(10) * 7 + open(path).read())
+spec = importlib.util.spec_from_file_location(kernel.fn.__module__, shifted)
+module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module; spec.loader.exec_module(module)
+moved = getattr(module, kernel.fn.__name__)
+assert moved.fn.__code__.co_firstlineno == kernel.fn.__code__.co_firstlineno + 7
+assert kr.ptx_fingerprint(moved, types, constexprs, warps, stages) == first, 'line numbers changed the hash'
+other = 4 if warps != 4 else 8
+assert kr.ptx_fingerprint(kernel, types, constexprs, other, stages) != first, 'warps did not change the hash'
+print('OK')
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
