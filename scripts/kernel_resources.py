@@ -45,14 +45,19 @@ from hybridzoo.kernels.triton import launch  # noqa: E402
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
-    """Compile ``kernel`` for sm_90; ``types`` gives every runtime argument's Triton type
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    """``kernel`` compiled for sm_90; ``types`` gives every runtime argument's Triton type
     (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``), ``constexprs`` the rest."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
     source = ASTSource(kernel, signature,
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
+    """Registers, spills, stack and shared memory of ``kernel`` compiled by :func:`compile_sm90`."""
+    compiled = compile_sm90(kernel, types, constexprs, num_warps, num_stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:
@@ -215,15 +220,11 @@ def check_spills() -> int:
 
 def ptx_fingerprint(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4,
                     num_stages: int = 3) -> str:
-    """A hash of ``kernel``'s sm_90 PTX (as :func:`resources` compiles it) without its line and
-    debug information (``.loc``, ``.file``, comments, ``.debug_*`` sections, label names)."""
+    """A hash of ``kernel``'s sm_90 PTX (:func:`compile_sm90`) without its line and debug
+    information (``.loc``, ``.file``, comments, ``.debug_*`` sections, label names)."""
     import hashlib
 
-    signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
-    source = ASTSource(kernel, signature,
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    text = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    text = compile_sm90(kernel, types, constexprs, num_warps, num_stages).asm["ptx"]
     lines = [re.sub(r"\$L__\w+", "L", line) for line in text.split(".section\t.debug")[0].splitlines()
              if not re.match(r"\s*(\.loc|\.file|//)", line)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
