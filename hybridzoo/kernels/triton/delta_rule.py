@@ -207,12 +207,16 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
 @triton.jit
 def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
                 offset, BW: tl.constexpr):
-    """A block pointer to chunk ``i_n``'s ``[C, BW]`` tile (columns from ``offset``) of head ``h``
-    of batch ``b`` in a ``[B, T, HEADS, WIDTH]`` tensor. Block pointers address a tile from one
-    base and two strides; per-element pointer tiles (``[C, BW]`` int64) cost the sequential state
-    kernels more registers than their data and made them spill."""
-    base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
-    return tl.make_block_ptr(base, (T, WIDTH), (HEADS * WIDTH, 1), (i_n * C, offset), (C, BW), (1, 0))
+    """Chunk ``i_n``'s ``[C, BW]`` tile (columns from ``offset``) of head ``h`` of batch ``b`` in a
+    ``[B, T, HEADS, WIDTH]`` tensor, as ``(pointers, mask)`` for :func:`_tile` and :func:`_put`
+    (the mask: rows before ``T``, columns before ``WIDTH``). The chunk's first row is one int64
+    scalar; the tile's offsets from it are int32 (at most ``C · HEADS · WIDTH``). These pointer
+    tiles replaced block pointers (``tl.make_block_ptr``), which Triton 3.9 removed."""
+    t0 = i_n * C
+    base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
+    r, c = tl.arange(0, C), tl.arange(0, BW)
+    ptrs = base + r[:, None] * (HEADS * WIDTH) + c[None, :]
+    return ptrs, ((t0 + r)[:, None] < T) & ((offset + c)[None, :] < WIDTH)
 
 
 @triton.jit
@@ -220,28 +224,40 @@ def _cols_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: 
                 offset, BW: tl.constexpr):
     """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``; the same
     arguments): a dot's left operand read in the layout the dot takes, not transposed in registers."""
-    base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
-    return tl.make_block_ptr(base, (WIDTH, T), (1, HEADS * WIDTH), (offset, i_n * C), (BW, C), (0, 1))
+    t0 = i_n * C
+    base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
+    r, c = tl.arange(0, C), tl.arange(0, BW)
+    ptrs = base + c[:, None] + r[None, :] * (HEADS * WIDTH)
+    return ptrs, ((offset + c)[:, None] < WIDTH) & ((t0 + r)[None, :] < T)
 
 
 @triton.jit
 def _tile(block):
-    """The tile a block pointer addresses, in its buffer's dtype, zero past the tensor's edges."""
-    return tl.load(block, boundary_check=(0, 1), padding_option="zero")
+    """The tile a :func:`_rows_block`-style ``(pointers, mask)`` pair addresses, in its buffer's
+    dtype, zero outside the tensor."""
+    return tl.load(block[0], mask=block[1], other=0.0)
+
+
+@triton.jit
+def _put(block, x):
+    """Store ``x`` (cast to the buffer's dtype) into the ``(pointers, mask)`` tile ``block``."""
+    tl.store(block[0], x.to(block[0].dtype.element_ty), mask=block[1])
 
 
 @triton.jit
 def _state_block(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr):
-    """A block pointer to the ``[BK, BV]`` tile (value columns from ``i_v · BV``) of the ``[K, V]``
-    state at ``ptr + base``."""
-    return tl.make_block_ptr(ptr + base, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+    """The ``[BK, BV]`` tile (value columns from ``i_v · BV``) of the ``[K, V]`` state at
+    ``ptr + base``, as ``(pointers, mask)``."""
+    r, c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    return ptr + base + r[:, None] * V + c[None, :], (r[:, None] < K) & (c[None, :] < V)
 
 
 @triton.jit
 def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr,
                    k_offset=0):
     """:func:`_state_block`'s tile transposed, ``[BV, BK]`` (key rows from ``k_offset``)."""
-    return tl.make_block_ptr(ptr + base, (V, K), (1, V), (i_v * BV, k_offset), (BV, BK), (0, 1))
+    r, c = k_offset + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    return ptr + base + c[:, None] + r[None, :] * V, (c[:, None] < V) & (r[None, :] < K)
 
 
 @triton.jit
@@ -260,17 +276,15 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
-        tl.store(_state_block(h_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV),
-                 state.to(h_ptr.dtype.element_ty), boundary_check=(0, 1))
+        _put(_state_block(h_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), state)
         w = _tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
         u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
         vn = u - _dot(w, state, DT, PREC)
-        tl.store(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), vn.to(vn_ptr.dtype.element_ty),
-                 boundary_check=(0, 1))
+        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), vn)
         key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
         state = state * gamma_chunk + _dot(key_t, vn * gamma_out[:, None], DT, PREC)
-    tl.store(_state_block(ht_ptr, s_base, K, V, i_v, BK, BV), state, boundary_check=(0, 1))
+    _put(_state_block(ht_ptr, s_base, K, V, i_v, BK, BV), state)
 
 
 @triton.jit
@@ -330,15 +344,30 @@ def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
     return 64 if bk >= 128 and dtype.itemsize == 2 else 32
 
 
+def state_warps(bk: int, bv: int) -> int:
+    """num_warps of the state kernels' fixed launch: 4 up to 64-wide key tiles, else
+    :func:`launch.warps` (8 only on 64-wide value tiles)."""
+    return 4 if bk <= 64 else launch.warps(bk, bv)
+
+
 def prune_state_configs(configs: list, named_args: dict, **kwargs) -> list:
     """The autotuner's ``early_config_prune`` for the state kernels: the candidates whose value
-    tile is at least :func:`value_tile_floor` for the launch's key width and input dtype, and
-    two pipelining stages only up to 128-wide keys (above, the state backward needs 287 KB of
-    shared memory in bf16, 279 KB in float32: more than an H200's 227 KB)."""
+    tile is at least :func:`value_tile_floor` for the launch's key width and input dtype, whose
+    warps are no more than the fixed launch's (:func:`state_warps`: 4 up to 64-wide key tiles),
+    and with two pipelining stages only up to 128-wide keys (above, the state backward needs
+    287 KB of shared memory in bf16, 279 KB in float32: more than an H200's 227 KB).
+
+    The warps rule: at K = V = 64 in bf16 (``mqar-gdn-l``: B 64, T 256, 2 heads) the autotuning
+    of ``_state_bwd`` made an illegal memory access on an H200 (Triton 3.6). All four candidates
+    were tried there; the two with 8 warps on 64-wide key tiles are the ones no GPU test had run
+    (the fixed launch, and every GPU test of these kernels at K <= 64, use 4; the per-setting GPU
+    test ran K 128 and 256 only) and match the known-faulting pattern (8 warps where the tested
+    launch had 4: the linear-attention output kernel's fault). They are left out."""
     args = {**named_args, **kwargs}
     bk = max(32, triton.next_power_of_2(args["K"]))
     floor = value_tile_floor(bk, args["k_ptr"].dtype)
-    return [c for c in configs if c.kwargs["BV"] >= floor and (c.num_stages == 1 or bk <= 128)]
+    return [c for c in configs if c.kwargs["BV"] >= floor and (c.num_stages == 1 or bk <= 128)
+            and c.num_warps <= state_warps(bk, c.kwargs["BV"])]
 
 
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
@@ -369,7 +398,7 @@ class _Config:
         # 4 warps up to 64-wide keys; wider keys follow launch.warps (8 only on 64-wide value tiles:
         # float32 above K = 128 has 32-wide ones, the shape class of the 8-warp fault; see
         # STATE_CONFIGS)
-        self.warps = 4 if self.BK <= 64 else launch.warps(self.BK, self.BV)
+        self.warps = state_warps(self.BK, self.BV)
         # With 3 pipelining stages K = 128 overflowed shared memory on an H200 (279 KB > 227 KB);
         # with 1 stage every kernel fits up to K = 256 (sizes read from sm_90 compiles).
         self.stages = 3 if self.BK <= 64 else 1

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                 _cols_block, _dot, _load_rows, _rows_block, _state_block,
-                                                 _state_block_t, _state_decays, _store_rows, _tile,
+                                                 _cols_block, _dot, _load_rows, _put, _rows_block,
+                                                 _state_block, _state_block_t, _state_decays, _store_rows, _tile,
                                                  prune_state_configs)
 
 
@@ -60,7 +60,7 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
                       HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
     """Reverse over chunks for one (batch, head, V-block): stores ``dS1`` of each chunk in
     ``dh [B, H, N, K, V]``, turns the local dVn (in ``dv``) into the full dVn in place, and
-    writes the initial state's gradient. As in the forward's state kernel: block pointers, dot
+    writes the initial state's gradient. As in the forward's state kernel: pointer tiles, dot
     operands loaded in their own dtype (the left ones already transposed), and each decay applied
     to the chunk-by-value side of its dot (``(e ⊙ K) dS = e ⊙ (K dS)``), so no key-wide float32
     tile is held."""
@@ -74,21 +74,20 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(0, N_INTERP if N_INTERP > 0 else N):
         i_n = N - 1 - i
-        tl.store(_state_block(dh_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV),
-                 dstate.to(dh_ptr.dtype.element_ty), boundary_check=(0, 1))
+        _put(_state_block(dh_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), dstate)
         gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
         key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)
         dvn = _tile(dv_block).to(tl.float32)
         dvn += _dot(key, dstate, DT, PREC) * gamma_out[:, None]
-        tl.store(dv_block, dvn.to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
+        _put(dv_block, dvn)
         query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
         w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
         dstate = dstate * gamma_chunk
         dstate += _dot(query_t, do * (gamma_in * scale)[:, None], DT, PREC)
         dstate -= _dot(w_t, dvn, DT, PREC)
-    tl.store(_state_block(dh0_ptr, s_base, K, V, i_v, BK, BV), dstate, boundary_check=(0, 1))
+    _put(_state_block(dh0_ptr, s_base, K, V, i_v, BK, BV), dstate)
 
 
 @triton.jit
@@ -98,7 +97,7 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Per chunk, value head and block of ``BK`` key columns: dq (final), dk's read/write parts and
     dW in those columns, and those columns' share of the decay terms dg (every dg term is a sum
-    over key columns: the launch adds the blocks' shares). Tiles through block pointers, dot
+    over key columns: the launch adds the blocks' shares). Pointer tiles, dot
     operands in their own dtype, the states read transposed. Splitting the keys across programs
     (as fla's dqkwg kernel does) keeps the three ``[C, BK]`` float32 accumulators small."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -132,9 +131,9 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
     dq = dq_acc * (gamma_in * scale)[:, None] + _dot(ds_mat, key, DT, PREC)
     dk = _dot(tl.trans(ds_mat), query, DT, PREC) + dk_end * gamma_out[:, None]
-    tl.store(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, k0, BK), dq.to(dq_ptr.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, k0, BK), dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, k0, BK), dw.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
+    _put(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, k0, BK), dq)
+    _put(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, k0, BK), dk)
+    _put(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, k0, BK), dw)
 
     m = ds_mat * _dot(query, tl.trans(key), DT, PREC)   # dΓ ⊙ Γ from the read
     dgamma_in = tl.sum(query.to(tl.float32) * dq_acc, axis=1) * scale
@@ -171,8 +170,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
         dxv = _dot(tm_t, dvn, DT, PREC)
         value = _tile(_rows_block(v_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
         u_t = _tile(_cols_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        tl.store(_rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV),
-                 (dxv * beta[:, None]).to(dv_ptr.dtype.element_ty), boundary_check=(0, 1))
+        _put(_rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), dxv * beta[:, None])
         dbeta += tl.sum(value.to(tl.float32) * dxv, axis=1)
         da += _dot(dxv, u_t, DT, PREC)
 
@@ -195,7 +193,7 @@ def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr
         dk += dxk * (beta * gamma_in)[:, None]
         dk += _dot(p, key, DT, PREC) * beta[:, None]
         dk += _dot(tl.trans(p), key.to(tl.float32) * beta[:, None], DT, PREC)
-        tl.store(dk_block, dk.to(dk_ptr.dtype.element_ty), boundary_check=(0, 1))
+        _put(dk_block, dk)
     dbeta += gamma_in * rk + tl.sum(p * kk, axis=1)
     tl.store(dbeta_ptr + rows, dbeta, mask=mask_t)
 

@@ -277,8 +277,28 @@ def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypa
     kept = delta_rule.prune_state_configs(delta_rule.STATE_CONFIGS, {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
     widths = {c.kwargs["BV"] for c in kept}
     assert widths == ({64} if sixteen_bit and K > 64 else {32, 64})
-    # two stages only up to K 128 (K 256 overflowed an H200's shared memory with them)
-    assert {c.num_stages for c in kept} == ({1} if K > 128 else {1, 2})
+    # two stages only up to K 128 (K 256 overflowed an H200's shared memory with them); the
+    # two-stage candidate has 8 warps, pruned up to K 64
+    assert {c.num_stages for c in kept} == ({1} if K > 128 or K <= 64 else {1, 2})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("K", [16, 32, 64, 128, 256])
+def test_state_tuning_never_tries_more_warps_than_the_fixed_launch(K, dtype):
+    """At key tiles up to 64 the state kernels' autotuner tries 4 warps only, the fixed launch's:
+    ``mqar-gdn-l`` (K = V = 64, bf16) faulted inside ``_state_bwd``'s autotuning on an H200 with
+    Triton 3.6, where the 8-warp candidates were the untested ones. Wider keys keep 8 warps on
+    64-wide value tiles (the fixed launch's there)."""
+    kept = triton_delta_rule.prune_state_configs(triton_delta_rule.STATE_CONFIGS,
+                                                 {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
+    assert kept, "every candidate pruned"
+    cfg = triton_delta_rule._Config(torch.empty(1, 8, 1, K, dtype=dtype), torch.empty(1, 8, 1, K, dtype=dtype), 64)
+    if K <= 64:
+        assert {(c.kwargs["BV"], c.num_warps, c.num_stages) for c in kept} == {(32, 4, 1), (64, 4, 1)}
+        assert cfg.warps == 4
+    else:
+        assert 8 in {c.num_warps for c in kept}
+    assert all(c.num_warps <= triton_delta_rule.state_warps(cfg.BK, c.kwargs["BV"]) for c in kept)
 
 
 @pytest.mark.gpu
@@ -297,7 +317,7 @@ def test_gpu_long_sequence(dtype, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_every_state_setting(head_dim, monkeypatch):
     """Each launch setting the autotuner may pick for the two sequential state kernels
     (STATE_CONFIGS as prune_state_configs leaves them for bf16, forward and backward held to the
