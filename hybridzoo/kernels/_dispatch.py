@@ -11,12 +11,18 @@ Every public op in :mod:`hybridzoo.kernels` takes ``backend=``:
 A backend module is imported only when it is asked for, so an optional package (fla,
 mamba_ssm) is never imported at ``import hybridzoo`` time. A backend that is unknown, not
 installed, or that does not implement the op raises :class:`BackendUnavailable` naming the
-backend, the op and the fix.
+backend, the op and the fix. Our Triton kernels need Triton >= 3.6 and (compiled) a GPU of
+compute capability 8.0 or more; where the installed Triton or the GPU cannot run them, or a shape
+needs more shared memory than the GPU has, :class:`TritonUnsupported` names the op, the reason and
+the fallback (``backend="reference"``, or the fla / mamba_ssm backend for the op).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
+from importlib import metadata
 from typing import Callable
 
 import torch
@@ -33,6 +39,77 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
 
 class BackendUnavailable(RuntimeError):
     """Raised when a requested backend is unknown, not installed, or lacks the op."""
+
+
+class TritonUnsupported(BackendUnavailable):
+    """Raised when the installed Triton or the GPU cannot run one of our Triton kernels."""
+
+
+# The oldest Triton the kernels are tested with (the interpreter suite and the sm_90 compile run
+# on 3.6, 3.7.1 and 3.9), and the oldest GPU they target (bf16 / tf32 tensor-core dots: Ampere).
+MIN_TRITON = (3, 6)
+MIN_CAPABILITY = (8, 0)
+# what a user can run an op with instead of our Triton kernels
+FALLBACKS = {
+    "chunk_linear_attn": "backend='reference' (any device) or backend='fla'",
+    "chunk_delta_rule": "backend='reference' (any device) or backend='fla'",
+    "selective_scan": "backend='reference' (any device) or backend='mamba_ssm'",
+    "causal_conv1d": "backend='reference' (any device) or backend='mamba_ssm'",
+}
+
+
+def _triton_version() -> tuple[int, ...] | None:
+    """The installed Triton's ``(major, minor)``, None if Triton is not installed."""
+    try:
+        version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def triton_problem(op: str, device: torch.device) -> str | None:
+    """Why our Triton kernel for ``op`` cannot run on ``device`` with the installed Triton (a
+    sentence), or None when it can. Under ``TRITON_INTERPRET=1`` the GPU is not asked."""
+    version = _triton_version()
+    if version is not None and version < MIN_TRITON:
+        return (f"the installed Triton {'.'.join(map(str, version))} is older than "
+                f"{'.'.join(map(str, MIN_TRITON))}, the oldest these kernels are tested with "
+                f"(pip install -U triton, or the versions of constraints.txt)")
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        capability = _capability(device)
+        if tuple(capability) < MIN_CAPABILITY:
+            return (f"the GPU has compute capability {capability[0]}.{capability[1]}; the kernels need "
+                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or more (Ampere, Hopper or newer: bf16/tf32 "
+                    "tensor-core dots)")
+    return None
+
+
+def _unsupported(op: str, reason: str) -> TritonUnsupported:
+    return TritonUnsupported(f"the triton backend cannot run {op}: {reason}; use "
+                             f"{FALLBACKS.get(op, 'backend=' + repr('reference'))} instead")
+
+
+def _guard_resources(op: str, impl: Callable) -> Callable:
+    """``impl`` with Triton's out-of-resources error (a launch past the GPU's shared memory or
+    registers, e.g. head sizes above what the kernels were sized for) turned into
+    :class:`TritonUnsupported` naming the op, the need, the limit and the fallback."""
+
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        try:
+            return impl(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - only Triton's OutOfResources is translated
+            if type(error).__name__ != "OutOfResources":
+                raise
+            need = getattr(error, "name", "resources")
+            detail = f"needs {getattr(error, 'required', '?')} of {need}, the GPU has {getattr(error, 'limit', '?')}"
+            raise _unsupported(op, f"these shapes are past the GPU's {need} limit ({detail})") from error
+
+    return run
 
 
 AUTO_CUDA_ORDER = ("triton", "torch")  # on CUDA: our kernels first, then torch's fused attention
@@ -77,4 +154,9 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
         raise BackendUnavailable(
             f"backend {backend!r} does not implement {op}; use backend='reference' or 'auto'"
         )
+    if backend == "triton":
+        problem = triton_problem(op, device)
+        if problem is not None:
+            raise _unsupported(op, problem)
+        return _guard_resources(op, impl)
     return impl

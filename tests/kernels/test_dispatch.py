@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import hybridzoo.kernels as K
-from hybridzoo.kernels._dispatch import BACKENDS, resolve
+import hybridzoo.kernels._dispatch as dispatch
+from hybridzoo.kernels._dispatch import BACKENDS, TritonUnsupported, resolve
 from hybridzoo.kernels import reference
 
 
@@ -37,8 +38,9 @@ def test_auto_on_cuda_prefers_triton_only_for_its_ops(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "OPS", ("causal_conv1d",))
     monkeypatch.setattr(triton_backend, "causal_conv1d", "triton-impl", raising=False)
+    monkeypatch.setattr(dispatch, "_capability", lambda device: (9, 0))
     cuda = torch.device("cuda")
-    assert resolve("causal_conv1d", "auto", cuda) == "triton-impl"
+    assert resolve("causal_conv1d", "auto", cuda).__wrapped__ == "triton-impl"
     assert resolve("chunk_delta_rule", "auto", cuda) is reference.chunk_delta_rule
     from hybridzoo.kernels.backends import torch_sdpa
 
@@ -87,3 +89,63 @@ def test_import_does_not_import_optional_packages():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _fake_cuda(monkeypatch, capability=(9, 0), version=(3, 7)):
+    """resolve() as on a CUDA machine with a GPU of ``capability`` and Triton ``version``."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dispatch, "_capability", lambda device: capability)
+    monkeypatch.setattr(dispatch, "_triton_version", lambda: version)
+
+
+@pytest.mark.parametrize("op, fallback", [("chunk_delta_rule", "'fla'"), ("chunk_linear_attn", "'fla'"),
+                                          ("selective_scan", "'mamba_ssm'"), ("causal_conv1d", "'mamba_ssm'")])
+def test_triton_too_old_names_the_op_the_reason_and_the_fallback(op, fallback, monkeypatch):
+    _fake_cuda(monkeypatch, version=(3, 4))
+    for backend in ("triton", "auto"):
+        with pytest.raises(TritonUnsupported) as error:
+            resolve(op, backend, torch.device("cuda"))
+        message = str(error.value)
+        assert op in message and "Triton 3.4 is older than 3.6" in message
+        assert "backend='reference'" in message and fallback in message
+    assert issubclass(TritonUnsupported, K.BackendUnavailable)
+
+
+def test_gpu_below_sm80_names_the_op_the_reason_and_the_fallback(monkeypatch):
+    _fake_cuda(monkeypatch, capability=(7, 5))
+    with pytest.raises(TritonUnsupported, match=r"chunk_delta_rule: the GPU has compute capability 7\.5.*"
+                                                r"8\.0 or more.*backend='reference'.*'fla'"):
+        resolve("chunk_delta_rule", "triton", torch.device("cuda"))
+    # a supported GPU and Triton resolve to the kernel (wrapped by the resource guard)
+    _fake_cuda(monkeypatch, capability=(8, 0), version=(3, 9))
+    import hybridzoo.kernels.triton as triton_backend
+
+    assert resolve("chunk_delta_rule", "triton", torch.device("cuda")).__wrapped__ is triton_backend.chunk_delta_rule
+
+
+def test_shape_past_shared_memory_names_the_op_the_need_and_the_fallback(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    import hybridzoo.kernels.triton as triton_backend
+
+    _fake_cuda(monkeypatch)
+
+    def too_big(*args, **kwargs):
+        raise OutOfResources(294912, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_backend, "chunk_linear_attn", too_big)
+    run = resolve("chunk_linear_attn", "triton", torch.device("cuda"))
+    with pytest.raises(TritonUnsupported, match=r"chunk_linear_attn: these shapes are past the GPU's shared "
+                                                r"memory limit \(needs 294912 .* has 232448\).*backend='reference'"):
+        run()
+    # other errors pass through unchanged
+    monkeypatch.setattr(triton_backend, "chunk_linear_attn", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        resolve("chunk_linear_attn", "triton", torch.device("cuda"))()
+
+
+def test_interpreter_on_the_cpu_asks_no_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_triton_version", lambda: (3, 9))
+    monkeypatch.setattr(dispatch, "_capability", lambda device: 1 / 0)
+    assert dispatch.triton_problem("chunk_delta_rule", torch.device("cuda")) is None
