@@ -42,7 +42,21 @@ import hybridzoo.kernels.triton.delta_rule_bwd as delta_rule_bwd  # noqa: E402
 import hybridzoo.kernels.triton.linear_attn as linear_attn  # noqa: E402
 from hybridzoo.kernels.triton import launch  # noqa: E402
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def sm90_ptxas() -> Path:
+    """The ptxas that Triton itself assembles sm_90 code with: Triton 3.9 emits PTX 9.x for
+    sm_90 and assembles it with its newer ``ptxas-blackwell`` (its plain ``ptxas``, CUDA 12.9,
+    rejects that PTX); Triton 3.6 and 3.7 use ``ptxas``."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return Path(get_ptxas(90).path)
+    except Exception:  # noqa: BLE001 - an older layout: the wheel's plain ptxas
+        return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+PTXAS = sm90_ptxas()
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):

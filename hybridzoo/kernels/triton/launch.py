@@ -80,8 +80,40 @@ def _interpreter_bf16() -> None:
     builder.create_dot, builder.cast_impl = create_dot_bf16, cast_bf16
 
 
+def _interpreter_bool_masks() -> None:
+    """Give the interpreter's masked loads and stores boolean masks, as compiled kernels have.
+
+    The interpreter computes ``block_mask & scalar_mask`` (an ``int1`` block and an ``int1``
+    scalar, e.g. ``(kk < K) & (row < T)`` in the per-key linear-attention kernels) as int32 data
+    under an ``int1`` type. Triton 3.6's masked load took that; Triton 3.9's (a C++ routine)
+    raises ``mask has unsupported dtype``. Compiled kernels are untouched (there the value is an
+    ``i1``), so this changes no PTX."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_load, "bool_masks", False):
+        return
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask is None or mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, mask.dtype)
+
+    def masked_load(self, ptrs, mask, *rest):
+        return load(self, ptrs, as_bool(mask), *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        return store(self, ptrs, value, as_bool(mask), *rest)
+
+    masked_load.bool_masks = True
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+
 if interpret():
     _interpreter_bf16()
+    _interpreter_bool_masks()
 
 
 def loop_count(n: int) -> int:

@@ -20,7 +20,7 @@ import pytest
 import triton
 
 ROOT = Path(__file__).resolve().parents[3]
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # the wheel ships one
 
 
 @pytest.mark.slow
