@@ -56,7 +56,7 @@ def draws(model, batch, budget: int, n: int, seed: int) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("budget", [1, 2], ids=lambda b: f"p={b}/4")
 def test_spaco_mean_gradient_converges_to_the_exact_gradient(budget):
-    n = 200
+    n = 150
     model = small_model(0)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, T), generator=generator)
