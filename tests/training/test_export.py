@@ -169,3 +169,77 @@ def test_rich_progress_bar_renders_steps_loss_and_tokens_per_second():
     text = out.getvalue()
     assert "Epoch 0 (max_steps 2)" in text  # StepProgressBar's description, not "Epoch 0/-2"
     assert "2/2" in text and "train/loss" in text and "tok/s" in text
+
+
+# ---- the callbacks' decisions, one call at a time ---------------------------------------------
+def _weights_of(directory: Path) -> dict:
+    return HybridLM.from_pretrained(directory).state_dict()
+
+
+def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tmp_path):
+    torch.manual_seed(0)
+    first, second = HybridLM(tiny_config("gdn attn")), HybridLM(tiny_config("gdn attn"))
+    export = ExportCallback(dirpath=tmp_path / "elsewhere")
+    trainer, module = _fake_run(tmp_path, first, 1)
+    export.on_save_checkpoint(trainer, module, {})
+    target = tmp_path / "elsewhere"
+    assert export.last_export == target and not (tmp_path / "export").exists()  # dirpath wins
+    info = json.loads((target / "training.json").read_text())
+    assert info == {"data": None, "global_step": 1, "val_history": [{"step": 1, "loss": 1.0}]}
+    # the same callback, new weights at the next checkpoint: rewritten
+    trainer, module = _fake_run(tmp_path, second, 2)
+    export.on_save_checkpoint(trainer, module, {})
+    assert all(torch.equal(t, _weights_of(target)[n]) for n, t in second.state_dict().items())
+    # fit ends at the step just exported: only training.json is rewritten (same weights file)
+    inode = (target / "model.safetensors").stat().st_ino
+    module.val_history.append((2, 0.5))
+    export.on_fit_end(trainer, module)
+    assert (target / "model.safetensors").stat().st_ino == inode
+    assert json.loads((target / "training.json").read_text())["val_history"][-1] == {"step": 2, "loss": 0.5}
+    # fit ends later than the last checkpoint: the final weights are exported
+    trainer, module = _fake_run(tmp_path, first, 3)
+    export.on_fit_end(trainer, module)
+    assert all(torch.equal(t, _weights_of(target)[n]) for n, t in first.state_dict().items())
+    # other ranks and Lightning's sanity check write nothing
+    before = {p.name: p.stat().st_ino for p in target.iterdir()}
+    for change in ({"is_global_zero": False}, {"sanity_checking": True}):
+        trainer, module = _fake_run(tmp_path, second, 4)
+        vars(trainer).update(change)
+        assert export.export(trainer, module) is None
+    assert {p.name: p.stat().st_ino for p in target.iterdir()} == before
+
+
+class _Clock:
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+def test_tokens_per_second_counts_every_rank_and_skips_validation_time(monkeypatch):
+    from hybridzoo.training import callbacks
+    from hybridzoo.training.callbacks import TokensPerSecond
+
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value, kwargs)))
+    trainer = SimpleNamespace(world_size=2)
+    batch = {"input_ids": torch.zeros(3, 5, dtype=torch.long)}
+    meter = TokensPerSecond()
+    monkeypatch.setattr(callbacks.time, "perf_counter", _Clock(10.0, 12.0, 13.0, 100.0, 104.0, 104.0))
+    meter.on_train_batch_start(trainer, module, batch, 0)    # 10: the clock starts
+    meter.on_train_batch_end(trainer, module, None, batch, 0)  # 12: 3 x 5 tokens x 2 ranks in 2 s
+    meter.on_train_batch_start(trainer, module, batch, 1)    # (no clock read: it runs on)
+    meter.on_train_batch_end(trainer, module, None, batch, 1)  # 13: in 1 s
+    meter.on_validation_start(trainer, module)
+    meter.on_validation_end(trainer, module)
+    meter.on_train_batch_start(trainer, module, batch, 2)    # 100: restarted after validation
+    meter.on_train_batch_end(trainer, module, None, batch, 2)  # 104: in 4 s
+    meter.on_train_batch_start(trainer, module, batch, 3)
+    meter.on_train_batch_end(trainer, module, None, batch, 3)  # 104: no time passed, nothing logged
+    rates = [(name, value) for name, value, _ in logged]
+    assert rates == [("train/tokens_per_s", 15.0), ("tok/s", 15.0), ("train/tokens_per_s", 30.0),
+                     ("tok/s", 30.0), ("train/tokens_per_s", 7.5), ("tok/s", 7.5)]
+    logger_kwargs, bar_kwargs = logged[0][2], logged[1][2]
+    assert logger_kwargs == {"on_step": True, "on_epoch": False, "batch_size": 3}
+    assert bar_kwargs == {"prog_bar": True, "logger": False, "on_step": True, "on_epoch": False, "batch_size": 3}

@@ -120,3 +120,37 @@ def test_the_guard_counts_the_bytes_stage_one_keeps(monkeypatch, recording):
     seco_step(model, batch, CHUNK)  # no offload: no guard at all, whatever the RAM
     assert len(counted) == 3
 
+
+
+def test_host_ram_is_this_machines_physical_memory():
+    """The guard's denominator: /proc/meminfo's MemTotal (Linux), to within a page."""
+    import os
+    from pathlib import Path
+
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        pytest.skip("no /proc/meminfo on this system")
+    total_kb = next(int(line.split()[1]) for line in meminfo.read_text().splitlines()
+                    if line.startswith("MemTotal:"))
+    assert abs(seco_engine.host_ram_bytes() - total_kb * 1024) < os.sysconf("SC_PAGE_SIZE") + 1024
+
+
+def test_the_keeper_slices_the_lm_head_of_a_hybrid_lm():
+    """For a HybridLM, SeCO takes hidden states from the model and applies its LM head itself
+    (in loss slices); a model whose forward has no ``return_hidden`` gets an identity head."""
+    model = hybrid(9)
+    layers = seco_engine._Layers(model, T, 3, False, torch.device("cpu"))
+    assert layers.hidden and layers.head is model.lm_head
+    assert layers.full == [seco_engine._is_full_attention(b) for b in model.blocks] and any(layers.full)
+    assert (layers.length, layers.block_size, layers.device) == (T, 3, torch.device("cpu"))
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.blocks, self.lm_head = inner.blocks, inner.lm_head
+
+        def forward(self, input_ids, state=None):
+            raise AssertionError("not called")
+
+    other = seco_engine._Layers(LogitsOnly(model), T, 3, False, torch.device("cpu"))
+    assert not other.hidden and isinstance(other.head, torch.nn.Identity)

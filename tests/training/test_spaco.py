@@ -88,3 +88,24 @@ def test_spaco_mean_gradient_converges_to_the_exact_gradient(budget):
     mean_error = (grads.mean(0) - exact).norm()
     rms_draw_error = (grads - exact).norm(dim=1).square().mean().sqrt()
     assert mean_error <= 3 * rms_draw_error / math.sqrt(n), (mean_error, rms_draw_error)
+
+
+def test_draws_follow_the_seed_and_a_budget_of_at_least_k_chunks_is_exact_seco():
+    """The generator decides the draws (same seed, same chunks; another seed, others); with
+    ``spaco_budget >= k`` every chunk is recomputed with weight exactly 1 (p = min(1, t / k))."""
+    from hybridzoo.training.seco_engine import SeCOError, _select
+
+    def pattern(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [_select(16, 4, None, generator) for _ in range(4)]
+
+    assert pattern(5) == pattern(5) and pattern(5) != pattern(6)
+    assert {w for draw in pattern(5) for w in draw} == {0.0, 4.0}  # kept chunks weigh 1 / p = 16 / 4
+    for budget in (3, 4, 10):
+        assert _select(3, budget, None, torch.Generator().manual_seed(0)) == [1.0, 1.0, 1.0]
+    assert _select(3, None, None, None) == [1.0, 1.0, 1.0]
+    assert _select(4, 2, [True, False, False, True], None) == [2.0, 0.0, 0.0, 2.0]
+    with pytest.raises(SeCOError, match="one entry per chunk"):
+        _select(4, 2, [True, False], None)
+    with pytest.raises(SeCOError, match="give spaco_budget too"):
+        _select(4, None, [True] * 4, None)

@@ -143,3 +143,26 @@ def test_write_atomically_never_leaves_a_partial_file_under_a_final_name(tmp_pat
     assert _files(tmp_path) == {"a.bin": b"old a", "b.bin": b"old b"}  # nothing renamed, no .tmp left
     write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"), "c.bin": lambda p: p.write_bytes(b"c")})
     assert _files(tmp_path) == {"a.bin": b"new a", "b.bin": b"old b", "c.bin": b"c"}
+
+
+def test_a_rename_failing_half_way_removes_every_temporary_file(tmp_path, monkeypatch):
+    """The first file renamed, the second rename fails: the error comes through, the first file is
+    new, the second keeps its old content, and no temporary file is left."""
+    from pathlib import Path
+
+    from hybridzoo.zoo.checkpoint import write_atomically
+
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+    replace = Path.replace
+
+    def second_fails(self, target):
+        if self.name == "b.bin.tmp":
+            raise OSError("rename failed (simulated)")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", second_fails)
+    with pytest.raises(OSError, match="simulated"):
+        write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"),
+                                    "b.bin": lambda p: p.write_bytes(b"new b")})
+    assert _files(tmp_path) == {"a.bin": b"new a", "b.bin": b"old b"}
