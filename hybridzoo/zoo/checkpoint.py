@@ -19,14 +19,20 @@ class CheckpointError(ValueError):
 def write_atomically(directory: Path, writers: dict[str, Callable[[Path], object]]) -> None:
     """Write the files ``directory / name``: ``writers[name](path)`` writes one to ``path``, a
     temporary name (``name.tmp``); once all are written, each is renamed to its final name, so an
-    interrupted write never leaves a half-written file under a final name."""
+    interrupted write never leaves a half-written file under a final name. A write or rename that
+    fails removes the temporary files and re-raises: files not yet renamed keep their old content."""
     written = []
-    for name, write in writers.items():
-        tmp = directory / (name + ".tmp")
-        write(tmp)
-        written.append((tmp, directory / name))
-    for tmp, path in written:
-        tmp.replace(path)
+    try:
+        for name, write in writers.items():
+            tmp = directory / (name + ".tmp")
+            written.append((tmp, directory / name))
+            write(tmp)
+        for tmp, path in written:
+            tmp.replace(path)
+    except BaseException:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_pretrained(model, directory: str | Path) -> Path:

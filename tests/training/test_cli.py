@@ -3,6 +3,7 @@ input that must end in one clear error line, exit status 2, and no file clobbere
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -246,13 +247,32 @@ def test_eval_and_generate_need_a_model(command, tmp_path, capsys):
     assert code == 2 and "does not exist" in err
 
 
-def test_console_script_help_and_recipes():
-    """The installed entry point: top-level help lists every command; recipes prints a table."""
-    run = subprocess.run([sys.executable, "-m", "hybridzoo.cli", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
-    assert run.returncode == 0
+def installed_script() -> str:
+    """The ``hybridzoo`` console script that ``pip install`` put beside this Python (skip without one)."""
+    import shutil
+
+    found = shutil.which("hybridzoo", path=str(Path(sys.executable).parent)) or shutil.which("hybridzoo")
+    if found is None:
+        pytest.skip("the hybridzoo console script is not installed (pip install -e .)")
+    return found
+
+
+def test_installed_console_script_runs_help_and_the_recipes_table():
+    """The installed entry point itself (pyproject's [project.scripts]): the top-level help lists
+    every command, and ``hybridzoo recipes`` prints a row per packaged recipe."""
+    from hybridzoo.zoo.recipes import recipe_names
+
+    script = installed_script()
+    run = subprocess.run([script, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
     for command in ("fit", "validate", "test", "eval", "generate", "recipes", "convert", "demo"):
         assert command in run.stdout
+    run = subprocess.run([script, "recipes"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr
+    names = recipe_names()
+    assert names and all(name in run.stdout for name in names)
+    assert "361,720" in run.stdout  # tiny-hybrid's parameters, as its recipe's comment states
 
 
 def test_recipes_and_convert(capsys):
@@ -261,3 +281,14 @@ def test_recipes_and_convert(capsys):
     assert "tiny-hybrid" in out and "361,720" in out
     code, _, err = run_cli(["convert", "/nonexistent/src", "/nonexistent/out"], capsys)
     assert code == 2 and "error" in err
+
+
+def test_fsdp_on_cpu_is_refused_clearly(tmp_path, previous_run, capsys):
+    """Lightning's FSDP strategy needs CUDA devices: on a CPU it is refused before anything runs or
+    is written (one error line, exit status 2). FSDP is covered only by GPU runs."""
+    recipe = write_recipe(tmp_path, previous_run, write_corpus(tmp_path / "c.jsonl"))
+    before = snapshot(previous_run)
+    code, out, err = run_cli(["fit", "--config", recipe, "--trainer.strategy", "fsdp", "--trainer.accelerator",
+                              "cpu", "--trainer.devices", "2", *QUIET], capsys)
+    assert code == 2 and "fsdp" in err and "requires a GPU accelerator" in err
+    assert "Traceback" not in err + out and snapshot(previous_run) == before

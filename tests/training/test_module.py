@@ -1,6 +1,7 @@
 """LanguageModel: parameter groups, the LR schedule, the training / validation steps."""
 
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -73,14 +74,37 @@ def test_warmup_cosine_schedule():
     assert WarmupCosine(0, 100, 0.0)(0) == pytest.approx(1.0)
 
 
+def _unattached(module, logged):
+    """Let ``training_step`` run without a Trainer: ``log`` records, ``optimizers`` gives one lr."""
+    module.log = lambda name, value, **kwargs: logged.update({name: value})
+    module.optimizers = lambda: SimpleNamespace(param_groups=[{"lr": 0.125}])
+    return module
+
+
 def test_training_step_is_the_shifted_cross_entropy():
     torch.manual_seed(0)
-    module = LanguageModel(tiny_config("gdn attn")).double()
+    logged = {}
+    module = _unattached(LanguageModel(tiny_config("gdn attn")).double(), logged)
     batch = _batch(37)
-    _, _, loss = module.model(batch["input_ids"], labels=batch["labels"])
+    loss = module.training_step(batch, 0)
     logits = module.model(batch["input_ids"])[0]
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, 37), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
-    assert rel_err(loss, ref) < 1e-12
+    assert loss.requires_grad and rel_err(loss, ref) < 1e-12
+    assert logged["train/loss"] is loss and logged["train/lr"] == 0.125
+
+
+def test_training_step_takes_the_seco_loss_when_the_callback_is_installed():
+    """With ``module.seco`` set (the SeCO callback's setup does it) training_step returns that
+    object's ``training_loss(model, batch)``, and does not run a full-sequence forward."""
+    torch.manual_seed(0)
+    module = _unattached(LanguageModel(tiny_config("gdn attn")), {})
+    batch = _batch(37)
+    calls, forwards = [], []
+    sentinel = torch.tensor(1.5, requires_grad=True)
+    module.seco = SimpleNamespace(training_loss=lambda model, b: calls.append((model, b)) or sentinel)
+    module.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    assert module.training_step(batch, 0) is sentinel
+    assert calls == [(module.model, batch)] and not forwards
 
 
 class _Data(L.LightningDataModule):

@@ -97,3 +97,72 @@ def test_every_tensor_of_the_model_is_in_its_state_dict(model):
     # from_pretrained builds on the meta device and fills tensors from the file only: a buffer
     # left out of the state_dict (persistent=False) would come back uninitialised
     assert {name for name, _ in model.named_buffers()} <= set(model.state_dict())
+
+
+# ---- atomic writes --------------------------------------------------------------------------------
+def _files(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_save_whose_rename_fails_leaves_the_previous_checkpoint(model, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    model.save_pretrained(tmp_path)
+    before = _files(tmp_path)
+    torch.manual_seed(1)
+    other = HybridLM(tiny_config("mamba1 mamba2 gla retnet gdn attn"))
+
+    def fail(self, target):
+        raise OSError(f"cannot rename {self.name} (simulated)")
+
+    monkeypatch.setattr(Path, "replace", fail)
+    monkeypatch.setattr(Path, "rename", fail)
+    with pytest.raises(OSError, match="simulated"):
+        other.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == before  # byte for byte, and no temporary file left
+    loaded = HybridLM.from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_write_atomically_never_leaves_a_partial_file_under_a_final_name(tmp_path):
+    from hybridzoo.zoo.checkpoint import write_atomically
+
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+    seen = []
+
+    def partial_then_crash(path):
+        path.write_bytes(b"half of the new b")
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        raise RuntimeError("killed mid-write (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"), "b.bin": partial_then_crash})
+    assert seen == [["a.bin", "a.bin.tmp", "b.bin", "b.bin.tmp"]]  # written under temporary names
+    assert _files(tmp_path) == {"a.bin": b"old a", "b.bin": b"old b"}  # nothing renamed, no .tmp left
+    write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"), "c.bin": lambda p: p.write_bytes(b"c")})
+    assert _files(tmp_path) == {"a.bin": b"new a", "b.bin": b"old b", "c.bin": b"c"}
+
+
+def test_a_rename_failing_half_way_removes_every_temporary_file(tmp_path, monkeypatch):
+    """The first file renamed, the second rename fails: the error comes through, the first file is
+    new, the second keeps its old content, and no temporary file is left."""
+    from pathlib import Path
+
+    from hybridzoo.zoo.checkpoint import write_atomically
+
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+    replace = Path.replace
+
+    def second_fails(self, target):
+        if self.name == "b.bin.tmp":
+            raise OSError("rename failed (simulated)")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", second_fails)
+    with pytest.raises(OSError, match="simulated"):
+        write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"),
+                                    "b.bin": lambda p: p.write_bytes(b"new b")})
+    assert _files(tmp_path) == {"a.bin": b"new a", "b.bin": b"old b"}

@@ -159,3 +159,23 @@ def test_gpu_auto_dispatch_picks_triton():
     y, s = _run(lambda *a, **k: causal_conv1d_op(*a, **k, backend="auto"), x, None)
     y_t, s_t = _run(causal_conv1d, x, None)
     assert torch.equal(y, y_t) and torch.equal(s, s_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_inputs_match_the_float64_loop(dtype):
+    """fp16 / bf16 under the interpreter: output and final state in the input dtype (the state is
+    the last inputs, copied exactly), every gradient in its input's dtype, within 1e-2 of the
+    float64 step loop run on the same (rounded) inputs."""
+    x = _inputs(length=19, dm=11, width=4, seed=23, dtype=dtype)
+    tri_in, ref_in = _leaves(x), _leaves(x, F64)
+    y, s = _run(causal_conv1d, tri_in, "silu")
+    y_ref, s_ref = _run(causal_conv1d_loop, ref_in, "silu")
+    assert y.dtype == s.dtype == dtype and not y.isnan().any()
+    assert rel_err(y, y_ref) <= 1e-2 and torch.equal(s.to(F64), s_ref)
+    torch.manual_seed(24)
+    gy, gs = torch.randn_like(y_ref), torch.randn_like(s_ref)
+    ((y.to(F64) * gy).sum() + (s.to(F64) * gs).sum()).backward()
+    ((y_ref * gy).sum() + (s_ref * gs).sum()).backward()
+    for name, leaf in tri_in.items():
+        assert leaf.grad.dtype == leaf.dtype and not leaf.grad.isnan().any(), name
+        assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, rel_err(leaf.grad, ref_in[name].grad))

@@ -266,3 +266,25 @@ def test_gpu_auto_dispatch_picks_triton():
     y, h = _run(lambda *a: selective_scan_op(*a, backend="auto"), x)
     y_t, h_t = _run(selective_scan, x)
     assert torch.equal(y, y_t) and torch.equal(h, h_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_inputs_match_the_float64_loop(dtype):
+    """fp16 / bf16 inputs under the interpreter (A and the initial state stay float32, as in a
+    Mamba layer): output in the input dtype, float32 final state, every gradient in its input's
+    dtype; all within 1e-2 of the float64 step loop run on the same (rounded) inputs."""
+    x = _inputs(length=19, dm=12, n=3, groups=2, seed=21, dtype=dtype, mamba_init=True)
+    x["A"], x["initial_state"] = x["A"].float(), x["initial_state"].float()
+    tri_in, ref_in = _leaves(x), _leaves(x, F64)
+    y, h = _run(selective_scan, tri_in)
+    y_ref, h_ref = _run(selective_scan_loop, ref_in)
+    assert y.dtype == dtype and h.dtype == torch.float32
+    assert not y.isnan().any() and rel_err(y, y_ref) <= 1e-2 and rel_err(h, h_ref) <= 1e-2
+    torch.manual_seed(22)
+    gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+    ((y.to(F64) * gy).sum() + (h.to(F64) * gh).sum()).backward()
+    ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
+    for name in NAMES:
+        grad = tri_in[name].grad
+        assert grad is not None and grad.dtype == tri_in[name].dtype and not grad.isnan().any(), name
+        assert rel_err(grad, ref_in[name].grad) <= 1e-2, (name, rel_err(grad, ref_in[name].grad))

@@ -1,0 +1,92 @@
+"""The environment variables hybridzoo reads, each in a fresh process (they are read at import):
+
+* ``HYBRIDZOO_AUTOTUNE=0``: an autotuned Triton kernel launches with its launcher's fixed settings
+  instead of the autotuner's choice (``launch.run``);
+* ``HYBRIDZOO_SECO_FLASH=0``: SeCO's chunk attention no longer takes PyTorch's flash backward on
+  CUDA in bf16 / fp16 (``chunk_attention_applies``); the CPU path does not depend on it.
+
+The CUDA tensor and the autotuner are stand-ins: only the decisions run, nothing is launched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import json
+from types import SimpleNamespace
+
+import torch
+import triton
+
+from hybridzoo.kernels.triton import launch
+from hybridzoo.layers import chunk_attention
+
+
+class StandInAutotuner(triton.runtime.Autotuner):
+    def __init__(self):  # no kernel: records which launch path was taken
+        self.launched = []
+        self.best_config = SimpleNamespace(kwargs={"BLOCK": 128}, num_warps=8, num_stages=3)
+        self.fn = _Plain(self.launched)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(("autotuner", kwargs))
+
+
+class _Plain:
+    def __init__(self, launched):
+        self.launched = launched
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(("fixed", kwargs))
+
+
+tuner = StandInAutotuner()
+settings = launch.run(tuner, (1,), fixed={"BLOCK": 32, "num_warps": 4, "num_stages": 1}, N=7)
+
+def fake(dtype, device="cuda", d=64):
+    return SimpleNamespace(device=torch.device(device), is_cuda=device == "cuda", dtype=dtype, shape=(1, 4, 2, d))
+
+print(json.dumps({
+    "autotune": launch.AUTOTUNE,
+    "settings": settings,
+    "launched": [path for path, _ in tuner.launched],
+    "flash_on_cuda": chunk_attention.FLASH_ON_CUDA,
+    "cuda_bf16": chunk_attention.chunk_attention_applies(fake(torch.bfloat16), fake(torch.bfloat16), "auto"),
+    "cuda_fp16": chunk_attention.chunk_attention_applies(fake(torch.float16), fake(torch.float16), "auto"),
+    "cpu_fp32": chunk_attention.chunk_attention_applies(torch.zeros(1, 4, 2, 64), torch.zeros(1, 8, 2, 64), "auto"),
+}))
+"""
+
+
+def probe(**env) -> dict:
+    environment = {k: v for k, v in os.environ.items() if k not in ("HYBRIDZOO_AUTOTUNE", "HYBRIDZOO_SECO_FLASH")}
+    environment.update(env, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
+                         env=environment, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("setting", ["default", "autotune-off", "flash-off"])
+def test_each_variable_is_read_and_changes_only_its_own_path(setting):
+    env = {"default": {}, "autotune-off": {"HYBRIDZOO_AUTOTUNE": "0"}, "flash-off": {"HYBRIDZOO_SECO_FLASH": "0"}}
+    result = probe(**env[setting])
+    autotune, flash = setting != "autotune-off", setting != "flash-off"
+    assert result["autotune"] is autotune and result["flash_on_cuda"] is flash
+    if autotune:  # the autotuner launches and its choice is reported
+        assert result["launched"] == ["autotuner"]
+        assert result["settings"] == {"BLOCK": 128, "num_warps": 8, "num_stages": 3}
+    else:  # the plain kernel with the launcher's fixed settings
+        assert result["launched"] == ["fixed"]
+        assert result["settings"] == {"BLOCK": 32, "num_warps": 4, "num_stages": 1}
+    assert result["cuda_bf16"] is flash and result["cuda_fp16"] is flash
+    assert result["cpu_fp32"] is True  # the CPU always takes it

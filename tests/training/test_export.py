@@ -1,0 +1,245 @@
+"""What ``hybridzoo fit`` leaves behind and shows: the safetensors export at every checkpoint (with
+the tokenizer's files, loadable), ``train/tokens_per_s`` in the logged metrics, an interrupted
+export that leaves the previous one intact, and the Rich progress bar."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from hybridzoo import HybridLM
+from hybridzoo.cli import main
+from hybridzoo.training.callbacks import ExportCallback
+from tests.training.test_cli import QUIET, TINY_MODEL, write_corpus, write_recipe
+from tests.zoo.tiny import tiny_config
+
+MAX_STEPS, SEQ_LEN, BATCH = 3, 16, 4
+
+
+def word_tokenizer(directory: Path, corpus: Path) -> Path:
+    """A local Hugging Face tokenizer (word level, trained on ``corpus``) in ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+class ExportSpy(Callback):
+    """At the start of each step after the first, reads the export that the previous step's
+    checkpoint wrote: its step (training.json) and whether its weights are the module's now."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath = Path(dirpath)
+        self.seen: list[tuple[int, int, bool]] = []  # (trainer step, exported step, same weights)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0:
+            return
+        if not (self.dirpath / "training.json").is_file():
+            self.seen.append((trainer.global_step, None, False))  # no export
+        else:
+            info = json.loads((self.dirpath / "training.json").read_text())
+            exported = HybridLM.from_pretrained(self.dirpath).state_dict()
+            same = all(torch.equal(t, exported[n]) for n, t in pl_module.model.state_dict().items())
+            self.seen.append((trainer.global_step, info["global_step"], same))
+        (self.dirpath.parent / "spy.json").write_text(json.dumps(self.seen))
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """3 steps with a local word-level tokenizer, a checkpoint (and so an export) after every
+    step, a CSV logger."""
+    tmp = tmp_path_factory.mktemp("export")
+    corpus = write_corpus(tmp / "corpus.jsonl")
+    tokenizer = word_tokenizer(tmp / "tokenizer", corpus)
+    root = tmp / "run"
+    callbacks = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"every_n_train_steps": 1, "save_top_k": -1}},
+        {"class_path": "tests.training.test_export.ExportSpy", "init_args": {"dirpath": str(root / "export")}},
+    ]
+    recipe = write_recipe(tmp, root, corpus, max_steps=MAX_STEPS, seq_len=SEQ_LEN, callbacks=callbacks,
+                          limit_val_batches=0, num_sanity_val_steps=0,
+                          logger={"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                  "init_args": {"save_dir": str(root), "name": "csv"}})
+    started = time.perf_counter()
+    code = main(["fit", "--config", str(recipe), "--data.init_args.tokenizer", str(tokenizer), *QUIET])
+    seconds = time.perf_counter() - started
+    assert code == 0
+    return SimpleNamespace(root=root, tokenizer=tokenizer, export=root / "export", seconds=seconds)
+
+
+def test_export_is_written_at_every_checkpoint(fitted):
+    seen = json.loads((fitted.root / "spy.json").read_text())
+    assert seen == [[step, step, True] for step in range(1, MAX_STEPS)]
+    info = json.loads((fitted.export / "training.json").read_text())
+    assert info["global_step"] == MAX_STEPS
+    checkpoints = sorted(fitted.root.rglob("*.ckpt"))
+    assert len(checkpoints) == MAX_STEPS  # one per step, and one export each
+
+
+def test_export_holds_the_tokenizer_and_loads(fitted):
+    from hybridzoo.training.tokenizers import load_tokenizer
+
+    copied = fitted.export / "tokenizer.json"
+    assert copied.read_bytes() == (fitted.tokenizer / "tokenizer.json").read_bytes()
+    tokenizer = load_tokenizer(str(fitted.export))  # the export alone is enough to tokenize
+    assert tokenizer.files() == [copied]
+    model = HybridLM.from_pretrained(fitted.export)
+    assert model.config.vocab_size == tokenizer.vocab_size < 256
+    ids = torch.tensor([tokenizer.encode("def f3(x): return x")])
+    assert model(ids)[0].shape == (1, ids.shape[1], tokenizer.vocab_size)
+
+
+def test_tokens_per_second_is_in_the_logged_metrics(fitted):
+    (metrics,) = fitted.root.rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    rates = [float(row["train/tokens_per_s"]) for row in rows if row.get("train/tokens_per_s")]
+    assert len(rates) == MAX_STEPS and all(math.isfinite(r) for r in rates)
+    # each step took less than the whole fit: its rate is above one batch's tokens over the fit's time
+    assert min(rates) > BATCH * SEQ_LEN / fitted.seconds
+    steps = [int(row["step"]) for row in rows if row.get("train/tokens_per_s")]
+    assert steps == list(range(MAX_STEPS))
+
+
+# ---- interrupted writes ------------------------------------------------------------------------
+def _fake_run(tmp_path: Path, model: HybridLM, step: int):
+    trainer = SimpleNamespace(is_global_zero=True, sanity_checking=False, default_root_dir=str(tmp_path),
+                              datamodule=None, global_step=step)
+    return trainer, SimpleNamespace(model=model, val_history=[(step, 1.0)])
+
+
+def test_an_interrupted_export_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    old, new = HybridLM(tiny_config("gdn attn")), HybridLM(tiny_config("gdn attn"))
+    export = ExportCallback()
+    assert export.export(*_fake_run(tmp_path, old, 1)) == tmp_path / "export"
+    before = {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()}
+    assert set(before) == {"model.safetensors", "config.json", "training.json"}
+
+    def fail(self, target):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(Path, "replace", fail)
+    monkeypatch.setattr(Path, "rename", fail)
+    with pytest.raises(OSError, match="simulated"):
+        ExportCallback().export(*_fake_run(tmp_path, new, 2))
+    monkeypatch.undo()
+    after = {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()}
+    assert after == before  # the old export, byte for byte, and no temporary file left behind
+    loaded = HybridLM.from_pretrained(tmp_path / "export").state_dict()
+    assert all(torch.equal(t, loaded[n]) for n, t in old.state_dict().items())
+    # and without the failure the new export replaces it
+    ExportCallback().export(*_fake_run(tmp_path, new, 2))
+    loaded = HybridLM.from_pretrained(tmp_path / "export").state_dict()
+    assert all(torch.equal(t, loaded[n]) for n, t in new.state_dict().items())
+    assert json.loads((tmp_path / "export" / "training.json").read_text())["global_step"] == 2
+
+
+# ---- the Rich progress bar ---------------------------------------------------------------------
+def test_rich_progress_bar_renders_steps_loss_and_tokens_per_second():
+    import lightning as L
+
+    from hybridzoo.training.callbacks import TokensPerSecond
+    from hybridzoo.training.cli import StepProgressBar
+    from hybridzoo.training.module import LanguageModel
+    from tests.training.test_module import _Data
+
+    out = io.StringIO()
+    bar = StepProgressBar(console_kwargs={"file": out, "force_terminal": True, "width": 200,
+                                          "color_system": None})
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[bar, TokensPerSecond()])
+    trainer.fit(LanguageModel(tiny_config("gdn attn")), datamodule=_Data())
+    text = out.getvalue()
+    assert "Epoch 0 (max_steps 2)" in text  # StepProgressBar's description, not "Epoch 0/-2"
+    assert "2/2" in text and "train/loss" in text and "tok/s" in text
+
+
+# ---- the callbacks' decisions, one call at a time ---------------------------------------------
+def _weights_of(directory: Path) -> dict:
+    return HybridLM.from_pretrained(directory).state_dict()
+
+
+def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tmp_path):
+    torch.manual_seed(0)
+    first, second = HybridLM(tiny_config("gdn attn")), HybridLM(tiny_config("gdn attn"))
+    export = ExportCallback(dirpath=tmp_path / "elsewhere")
+    trainer, module = _fake_run(tmp_path, first, 1)
+    export.on_save_checkpoint(trainer, module, {})
+    target = tmp_path / "elsewhere"
+    assert export.last_export == target and not (tmp_path / "export").exists()  # dirpath wins
+    info = json.loads((target / "training.json").read_text())
+    assert info == {"data": None, "global_step": 1, "val_history": [{"step": 1, "loss": 1.0}]}
+    # the same callback, new weights at the next checkpoint: rewritten
+    trainer, module = _fake_run(tmp_path, second, 2)
+    export.on_save_checkpoint(trainer, module, {})
+    assert all(torch.equal(t, _weights_of(target)[n]) for n, t in second.state_dict().items())
+    # fit ends at the step just exported: only training.json is rewritten (same weights file)
+    inode = (target / "model.safetensors").stat().st_ino
+    module.val_history.append((2, 0.5))
+    export.on_fit_end(trainer, module)
+    assert (target / "model.safetensors").stat().st_ino == inode
+    assert json.loads((target / "training.json").read_text())["val_history"][-1] == {"step": 2, "loss": 0.5}
+    # fit ends later than the last checkpoint: the final weights are exported
+    trainer, module = _fake_run(tmp_path, first, 3)
+    export.on_fit_end(trainer, module)
+    assert all(torch.equal(t, _weights_of(target)[n]) for n, t in first.state_dict().items())
+    # other ranks and Lightning's sanity check write nothing
+    before = {p.name: p.stat().st_ino for p in target.iterdir()}
+    for change in ({"is_global_zero": False}, {"sanity_checking": True}):
+        trainer, module = _fake_run(tmp_path, second, 4)
+        vars(trainer).update(change)
+        assert export.export(trainer, module) is None
+    assert {p.name: p.stat().st_ino for p in target.iterdir()} == before
+
+
+class _Clock:
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+def test_tokens_per_second_counts_every_rank_and_skips_validation_time(monkeypatch):
+    from hybridzoo.training import callbacks
+    from hybridzoo.training.callbacks import TokensPerSecond
+
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value, kwargs)))
+    trainer = SimpleNamespace(world_size=2)
+    batch = {"input_ids": torch.zeros(3, 5, dtype=torch.long)}
+    meter = TokensPerSecond()
+    monkeypatch.setattr(callbacks.time, "perf_counter", _Clock(10.0, 12.0, 13.0, 100.0, 104.0, 104.0))
+    meter.on_train_batch_start(trainer, module, batch, 0)    # 10: the clock starts
+    meter.on_train_batch_end(trainer, module, None, batch, 0)  # 12: 3 x 5 tokens x 2 ranks in 2 s
+    meter.on_train_batch_start(trainer, module, batch, 1)    # (no clock read: it runs on)
+    meter.on_train_batch_end(trainer, module, None, batch, 1)  # 13: in 1 s
+    meter.on_validation_start(trainer, module)
+    meter.on_validation_end(trainer, module)
+    meter.on_train_batch_start(trainer, module, batch, 2)    # 100: restarted after validation
+    meter.on_train_batch_end(trainer, module, None, batch, 2)  # 104: in 4 s
+    meter.on_train_batch_start(trainer, module, batch, 3)
+    meter.on_train_batch_end(trainer, module, None, batch, 3)  # 104: no time passed, nothing logged
+    rates = [(name, value) for name, value, _ in logged]
+    assert rates == [("train/tokens_per_s", 15.0), ("tok/s", 15.0), ("train/tokens_per_s", 30.0),
+                     ("tok/s", 30.0), ("train/tokens_per_s", 7.5), ("tok/s", 7.5)]
+    logger_kwargs, bar_kwargs = logged[0][2], logged[1][2]
+    assert logger_kwargs == {"on_step": True, "on_epoch": False, "batch_size": 3}
+    assert bar_kwargs == {"prog_bar": True, "logger": False, "on_step": True, "on_epoch": False, "batch_size": 3}
