@@ -38,14 +38,25 @@ def exchange(send: torch.Tensor | None, dst: int | None, recv_like: torch.Tensor
     group rank ``src`` (either side may be None: nothing sent / received). Returns the received
     tensor (a new one) or None. Both operations are posted before either is awaited."""
     works, received = [], None
+    staged = _host_staged(group, send if send is not None else recv_like)
     if recv_like is not None and src is not None:
-        received = torch.empty_like(recv_like, memory_format=torch.contiguous_format)
+        received = torch.empty_like(recv_like, memory_format=torch.contiguous_format,
+                                    device="cpu" if staged else None)
         works.append(dist.irecv(received, global_rank(group, src), group=group))
     if send is not None and dst is not None:
-        works.append(dist.isend(send.contiguous(), global_rank(group, dst), group=group))
+        wire = send.contiguous().cpu() if staged else send.contiguous()
+        works.append(dist.isend(wire, global_rank(group, dst), group=group))
     for work in works:
         work.wait()
+    if staged and received is not None:
+        received = received.to(recv_like.device)
     return received
+
+
+def _host_staged(group, tensor: torch.Tensor | None) -> bool:
+    """Device tensors over gloo (e.g. several processes sharing one GPU, which NCCL refuses) go
+    through host memory."""
+    return tensor is not None and tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def shift(x: torch.Tensor, offset: int, group: dist.ProcessGroup | None, *,

@@ -67,9 +67,10 @@ def mixer_bytes_per_call(mixer, size: int, batch: int, local_len: int, method: s
 
 
 def model_bytes_per_step(model, size: int, batch: int, local_len: int, method: str = "scan",
-                         with_labels: bool = True) -> tuple[int, int]:
-    """``(forward, backward)`` bytes of one sharded training step of a ``HybridLM``."""
-    dtype = next(model.parameters()).dtype
+                         with_labels: bool = True, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """``(forward, backward)`` bytes of one sharded training step of a ``HybridLM`` whose
+    activations have ``dtype`` (default: the parameters' dtype; give the autocast dtype)."""
+    dtype = dtype or next(model.parameters()).dtype
     layers = sum(mixer_bytes_per_call(block.mixer, size, batch, local_len, method, dtype)
                  for block in model.blocks)
     labels = (size - 1) * batch * 8 if with_labels else 0
