@@ -18,7 +18,7 @@ TOL = 1e-10
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
 def _inputs(op: str, T: int, variant: str, seed: int = 0) -> tuple[dict, dict, list[str]]:
@@ -69,15 +69,18 @@ def _call(module, op: str, args: dict, **extra):
     return module.causal_conv1d(args["x"], args["weight"], args["bias"], activation="silu", **kw)
 
 
-def check_op(rank: int, size: int, op: str, variant: str, method: str, T: int) -> None:
+def check_op(rank: int, size: int, op: str, variant: str, method: str, T: int,
+             dtype: torch.dtype = torch.float64, tol: float = TOL) -> None:
     seq, other, seq_names = _inputs(op, T, variant)
+    seq = {n: t.to(dtype) for n, t in seq.items()}
+    other = {n: t.to(dtype) for n, t in other.items()}
     every = {**seq, **other}
     for t in every.values():
         t.requires_grad_(True)
     o_ref, final_ref = _call(kernels, op, every)
     g = torch.Generator().manual_seed(1)
-    grad_o = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
-    grad_final = torch.randn(final_ref.shape, generator=g, dtype=torch.float64)
+    grad_o = torch.randn(o_ref.shape, generator=g, dtype=torch.float64).to(dtype)
+    grad_final = torch.randn(final_ref.shape, generator=g, dtype=torch.float64).to(dtype)
     ref_grads = torch.autograd.grad((o_ref * grad_o).sum() + (final_ref * grad_final).sum(),
                                     list(every.values()))
     ref_grads = dict(zip(every, ref_grads))
@@ -87,11 +90,12 @@ def check_op(rank: int, size: int, op: str, variant: str, method: str, T: int) -
     local = {name: t.detach()[:, sl].clone().requires_grad_(True) for name, t in seq.items()}
     local.update({name: t.detach().clone().requires_grad_(True) for name, t in other.items()})
     o, final = _call(recurrent_ops, op, local, method=method)
-    assert _rel(o, o_ref[:, sl]) < TOL, (op, rank, "output", _rel(o, o_ref[:, sl]))
+    assert o.dtype == o_ref.dtype and final.dtype == final_ref.dtype
+    assert _rel(o, o_ref[:, sl]) < tol, (op, rank, "output", _rel(o, o_ref[:, sl]))
     # the state after this rank's slice = the whole op's final state on the prefix
     prefix = {n: (t.detach()[:, :(rank + 1) * Tl] if n in seq_names else t.detach()) for n, t in every.items()}
     _, final_prefix = _call(kernels, op, prefix)
-    assert _rel(final, final_prefix) < TOL, (op, rank, "final state", _rel(final, final_prefix))
+    assert _rel(final, final_prefix) < tol, (op, rank, "final state", _rel(final, final_prefix))
     last = rank == size - 1
     loss = (o * grad_o[:, sl]).sum() + ((final * grad_final).sum() if last else 0 * final.sum())
     grads = dict(zip(local, torch.autograd.grad(loss, list(local.values()), allow_unused=True)))
@@ -105,7 +109,7 @@ def check_op(rank: int, size: int, op: str, variant: str, method: str, T: int) -
             dist.all_reduce(grad)
             want = ref_grads[name]
         err = _rel(grad, want) if want.norm() > 0 else float(grad.norm())
-        assert err < TOL, (op, variant, method, rank, f"grad {name}", err)
+        assert err < tol, (op, variant, method, rank, f"grad {name}", err)
 
 
 CASES = [("chunk_linear_attn", "none"), ("chunk_linear_attn", "scalar"),
@@ -119,6 +123,7 @@ def check_every_op(rank: int, size: int, T: int) -> None:
             if op == "causal_conv1d" and method == "sequential":
                 continue
             check_op(rank, size, op, variant, method, T)
+        check_op(rank, size, op, variant, "scan", T, torch.float32, 1e-5)  # dtypes kept
 
 
 def check_ring(rank: int, size: int, T: int) -> None:
