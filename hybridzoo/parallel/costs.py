@@ -2,8 +2,9 @@
 
 All counts are bytes sent by all ranks of the group together (each message counted once), for
 ``P`` ranks, batch ``B``, ``T`` tokens per rank; ``e`` = bytes per activation number (2 in bf16),
-``s`` = bytes per state number (4: states are float32; 8 for float64 models). The backward sends
-exactly as much again (the gradients of the same tensors, travelling back).
+``s`` = bytes per state number (4: states are float32; 8 for float64 models). For the recurrent
+layers the backward sends exactly as much again (the gradients of the same tensors, travelling
+back); attention's backward is given below.
 
 Per mixer layer (forward):
 
@@ -14,7 +15,9 @@ Per mixer layer (forward):
   ``B·H`` (scalar decay: Mamba-2, RetNet), ``B·H·K`` (GLA), ``B·H·K·K`` (Gated DeltaNet),
   ``B·D·N`` (Mamba-1);
 * attention: ``R · P · B · T · Hk · 2D · e`` with ``R = P − 1`` rounds (full attention) or
-  ``min(P − 1, ceil((w − 1) / T))`` (sliding window ``w``).
+  ``min(P − 1, ceil((w − 1) / T))`` (sliding window ``w``); its backward sends
+  ``R · P · B · T · Hk · 2D · (e + g) + P · B · T · Hk · 2D · g`` (blocks again with their
+  gradient accumulators, ``g`` = 4 bytes, 8 in float64, and the accumulators' way home).
 
 Per model call: the labels' shift sends ``(P − 1) · B · 8`` bytes (one int64 column per
 boundary, forward only). Recurrent traffic does not grow with ``T``; attention's does.
@@ -35,17 +38,23 @@ def _conv_bytes(conv, size: int, batch: int, e: int) -> int:
 
 
 def mixer_bytes_per_call(mixer, size: int, batch: int, local_len: int, method: str,
-                         dtype: torch.dtype) -> int:
-    """Forward bytes of one sharded call of ``mixer`` (a :mod:`hybridzoo.layers` mixer) whose
-    activations have ``dtype``."""
+                         dtype: torch.dtype) -> tuple[int, int]:
+    """``(forward, backward)`` bytes of one sharded call of ``mixer`` (a :mod:`hybridzoo.layers`
+    mixer) whose activations have ``dtype``."""
+    if mixer.kind == "attn":
+        return ring_bytes_per_call(size, local_len, mixer.config.window, "contiguous", batch=batch,
+                                   kv_heads=mixer.n_kv_heads, head_dim=mixer.head_dim,
+                                   value_dim=mixer.head_dim,
+                                   itemsize=torch.empty((), dtype=dtype).element_size())
+    forward = _recurrent_bytes(mixer, size, batch, method, dtype)
+    return forward, forward
+
+
+def _recurrent_bytes(mixer, size: int, batch: int, method: str, dtype: torch.dtype) -> int:
     e = torch.empty((), dtype=dtype).element_size()
     s = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     kind = mixer.kind
     common = dict(batch=batch, itemsize=s)
-    if kind == "attn":
-        return ring_bytes_per_call(size, local_len, mixer.config.window, "contiguous", batch=batch,
-                                   kv_heads=mixer.n_kv_heads, head_dim=mixer.head_dim,
-                                   value_dim=mixer.head_dim, itemsize=e)
     if kind == "mamba1":
         return _conv_bytes(mixer.conv1d, size, batch, e) + state_bytes_per_call(
             "selective_scan", size, method, channels=mixer.d_inner, d_state=mixer.d_state, **common)
@@ -71,7 +80,7 @@ def model_bytes_per_step(model, size: int, batch: int, local_len: int, method: s
     """``(forward, backward)`` bytes of one sharded training step of a ``HybridLM`` whose
     activations have ``dtype`` (default: the parameters' dtype; give the autocast dtype)."""
     dtype = dtype or next(model.parameters()).dtype
-    layers = sum(mixer_bytes_per_call(block.mixer, size, batch, local_len, method, dtype)
-                 for block in model.blocks)
+    per_layer = [mixer_bytes_per_call(block.mixer, size, batch, local_len, method, dtype)
+                 for block in model.blocks]
     labels = (size - 1) * batch * 8 if with_labels else 0
-    return layers + labels, layers
+    return sum(f for f, _ in per_layer) + labels, sum(b for _, b in per_layer)

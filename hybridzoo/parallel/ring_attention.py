@@ -19,11 +19,17 @@ A block at a distance is attended in the prefix-only form of :func:`~hybridzoo.k
 windows stay exact; blocks no query can see are skipped (but still passed on).
 
 Rounds ``R``: ``P − 1``, except a sliding window ``w`` in the contiguous layout needs only
-``min(P − 1, ceil((w − 1) / T))``. Bytes sent per layer call, all ranks together:
-forward ``R · P · B · T · Hk · (D + Dv) · itemsize`` (keys and values of ``T`` tokens per message);
-the backward sends the same again (the gradients of the blocks, travelling back).
-The backward keeps the ``R`` received blocks (``R`` times a rank's K/V in memory); it does not
-re-circulate them.
+``min(P − 1, ceil((w − 1) / T))``. With ``blk = B · T · Hk · (D + Dv)`` numbers (a rank's keys and
+values), ``e`` bytes per activation and ``g`` per gradient number (float32, float64 for float64),
+bytes sent per layer call, all ranks together (:func:`ring_bytes_per_call`):
+
+* forward: ``R · P · blk · e`` (one block per rank and round);
+* backward: ``R · P · blk · (e + g)`` (the blocks again, each with its ``dK, dV`` accumulator)
+  plus ``P · blk · g`` when ``R > 0`` (the accumulators' way home).
+
+Memory: the forward keeps only this rank's ``q, k, v``, the output and its log-sum-exp; the
+backward recomputes each visible block's attention (flash-attention style), so no rank ever holds
+more than two blocks of other ranks.
 """
 
 from __future__ import annotations
@@ -37,27 +43,6 @@ from hybridzoo import kernels
 from hybridzoo.parallel.comm import ContextParallelError, check_same_shapes, rank_and_size, shift
 
 LAYOUTS = ("contiguous", "zigzag")
-
-
-class RingPass(torch.autograd.Function):
-    """``(x, x_1, …, x_R)``: ``x_r`` is ``x`` of rank ``p − r`` (cyclic). Backward: each block's
-    gradient travels back the way it came. Returning ``x`` itself first makes every rank's
-    backward run (the caller always uses its own block), so the messages pair up."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, rounds: int, group):
-        ctx.rounds, ctx.group = rounds, group
-        blocks = [x.view_as(x)]
-        for _ in range(rounds):
-            blocks.append(shift(blocks[-1], 1, group, cyclic=True))
-        return tuple(blocks)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        carry = grads[-1]
-        for r in range(ctx.rounds, 0, -1):
-            carry = grads[r - 1] + shift(carry.contiguous(), -1, ctx.group, cyclic=True)
-        return carry, None, None
 
 
 def segments_of(rank: int, size: int, layout: str) -> list[int]:
@@ -101,21 +86,85 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window:
     if k.shape[1] != T or v.shape[1] != T:
         raise ValueError(f"ring_attention: q, k, v must hold the same tokens, got {q.shape[1]}, "
                          f"{k.shape[1]}, {v.shape[1]}")
-    D = k.shape[-1]
     rounds = ring_rounds(size, T, window, layout)
-    blocks = RingPass.apply(torch.cat([k, v], dim=-1), rounds, group)
-    q_segs = q.split(c, dim=1)
-    merged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * nseg
-    for r, block in enumerate(blocks):
-        src = (rank - r) % size
-        k_blk, v_blk = block[..., :D], block[..., D:]
-        for j, gj in enumerate(segments_of(src, size, layout)):
-            k_j, v_j = k_blk[:, j * c:(j + 1) * c], v_blk[:, j * c:(j + 1) * c]
-            for i, gi in enumerate(segments_of(rank, size, layout)):
-                part = _attend(q_segs[i], k_j, v_j, gi, gj, c, window, scale, backend)
+    return _RingAttention.apply(q, k, v, window, scale, group, layout, backend, rounds)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring without autograd's graph: the forward keeps only this rank's ``q, k, v``, the
+    merged output and its log-sum-exp; the backward sends the blocks around the ring again,
+    recomputes each visible block's attention, and lets each block's ``dK, dV`` (float32 or
+    wider) travel with it, home after the last round."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, group, layout, backend, rounds):
+        rank, size = rank_and_size(group)
+        nseg = len(segments_of(rank, size, layout))
+        c = q.shape[1] // nseg
+        merged: list = [None] * nseg
+        block = torch.cat([k, v], dim=-1)
+        for r in range(rounds + 1):
+            if r:
+                block = shift(block, 1, group, cyclic=True)
+            for i, j, q_i, k_j, v_j in _pairs(q, block, k.shape[-1], c, rank, r, size, layout):
+                part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend)
                 if part is not None:
-                    merged[i] = part if merged[i] is None else kernels.merge_attention(*merged[i], *part)
-    return torch.cat([o for o, _ in merged], dim=1)
+                    slot = segments_of(rank, size, layout).index(i)
+                    merged[slot] = part if merged[slot] is None else kernels.merge_attention(*merged[slot], *part)
+        o = torch.cat([m[0] for m in merged], dim=1)
+        lse = torch.cat([m[1] for m in merged], dim=1)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (window, scale, group, layout, backend, rounds)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, o, lse = ctx.saved_tensors
+        window, scale, group, layout, backend, rounds = ctx.args
+        rank, size = rank_and_size(group)
+        nseg = len(segments_of(rank, size, layout))
+        c, D = q.shape[1] // nseg, k.shape[-1]
+        acc_dtype = torch.promote_types(k.dtype, torch.float32)
+        grad_o = grad_o.to(lse.dtype)
+        delta = (grad_o * o.to(lse.dtype)).sum(-1)                          # [B, T, H] = g·o
+        dq = torch.zeros_like(q, dtype=acc_dtype)
+        block = torch.cat([k, v], dim=-1)
+        dblock = torch.zeros_like(block, dtype=acc_dtype)                   # travels with block
+        for r in range(rounds + 1):
+            if r:
+                block = shift(block, 1, group, cyclic=True)
+                dblock = shift(dblock, 1, group, cyclic=True)
+            for i, j, q_i, k_j, v_j in _pairs(q, block, D, c, rank, r, size, layout):
+                si = segments_of(rank, size, layout).index(i)
+                sj = segments_of((rank - r) % size, size, layout).index(j)
+                rows = slice(si * c, (si + 1) * c)
+                with torch.enable_grad():
+                    q_i, k_j, v_j = (t.detach().requires_grad_() for t in (q_i, k_j, v_j))
+                    part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend)
+                    if part is None:
+                        continue
+                    o_b, lse_b = part
+                    w = torch.exp(lse_b.to(lse.dtype) - lse[:, rows])          # 0 where nothing is seen
+                    g = grad_o[:, rows]
+                    grad_lse = w * ((g * o_b.to(g.dtype)).sum(-1) - delta[:, rows])
+                    dq_i, dk_j, dv_j = torch.autograd.grad(
+                        (o_b, lse_b), (q_i, k_j, v_j), (w[..., None] * g, grad_lse))
+                dq[:, rows] += dq_i
+                dblock[:, sj * c:(sj + 1) * c] += torch.cat([dk_j, dv_j], dim=-1)
+        dblock = shift(dblock, -rounds, group, cyclic=True)                 # home to the owner
+        dk, dv = dblock[..., :D], dblock[..., D:]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
+
+
+def _pairs(q, block, D, c, rank, r, size, layout):
+    """``(i, j, q_i, k_j, v_j)`` for every query segment ``i`` of this rank and key segment ``j``
+    of the block that arrived in round ``r`` (global segment indices)."""
+    src = (rank - r) % size
+    q_segs = q.split(c, dim=1)
+    for jj, j in enumerate(segments_of(src, size, layout)):
+        k_j, v_j = block[:, jj * c:(jj + 1) * c, ..., :D], block[:, jj * c:(jj + 1) * c, ..., D:]
+        for ii, i in enumerate(segments_of(rank, size, layout)):
+            yield i, j, q_segs[ii], k_j, v_j
 
 
 def _attend(q, k, v, gi: int, gj: int, c: int, window, scale, backend):
@@ -153,8 +202,13 @@ def zigzag_unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 def ring_bytes_per_call(size: int, local_len: int, window: int | None, layout: str, *, batch: int,
-                        kv_heads: int, head_dim: int, value_dim: int, itemsize: int) -> int:
-    """Bytes all ranks send together in the forward of one :func:`ring_attention` call (the
-    backward sends the same again)."""
-    return ring_rounds(size, local_len, window, layout) * size * batch * local_len * kv_heads \
-        * (head_dim + value_dim) * itemsize
+                        kv_heads: int, head_dim: int, value_dim: int, itemsize: int,
+                        grad_itemsize: int | None = None) -> tuple[int, int]:
+    """``(forward, backward)`` bytes all ranks send together in one :func:`ring_attention` call
+    (see the module docstring); ``grad_itemsize`` defaults to ``max(itemsize, 4)``."""
+    grad_itemsize = grad_itemsize or max(itemsize, 4)
+    rounds = ring_rounds(size, local_len, window, layout)
+    blk = batch * local_len * kv_heads * (head_dim + value_dim)
+    forward = rounds * size * blk * itemsize
+    backward = rounds * size * blk * (itemsize + grad_itemsize) + (size * blk * grad_itemsize if rounds else 0)
+    return forward, backward

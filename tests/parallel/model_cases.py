@@ -30,6 +30,7 @@ def six_mixer_config(window: int | None, **overrides) -> HybridConfig:
 
 
 def _rel(a, b):
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
