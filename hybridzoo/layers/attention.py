@@ -39,6 +39,7 @@ from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_ap
 from hybridzoo.layers.prefix_attention import block_prefix_attention
 from hybridzoo.layers.rotary import Rotary
 from hybridzoo.layers.state import MixerState, StateError
+from hybridzoo.parallel.context import sequence_start, sharded
 
 
 @dataclass
@@ -228,6 +229,7 @@ class Attention(Mixer):
     """
 
     kind = "attn"
+    context_parallel = True
 
     def __init__(self, d_model: int, config: AttentionConfig | None = None, backend: str = "auto"):
         super().__init__(d_model)
@@ -307,14 +309,14 @@ class Attention(Mixer):
         v = self.v_proj(x).view(B, T, Hk, D)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        offset = 0 if state is None else state.offset
+        offset = sequence_start(T) if state is None else state.offset
         q, k = self.rotary(q, offset), self.rotary(k, offset)
 
         if isinstance(state, BlockKVState):
             o, state = self._attend_store(q, k, v, state)
         else:
             prefix = None if state is None or state.length == 0 else (state.k, state.v)
-            o, _ = attention(q, k, v, window=self.config.window, prefix=prefix, scale=self.scale,
+            o, _ = sharded(attention)(q, k, v, window=self.config.window, prefix=prefix, scale=self.scale,
                              backend=self.backend)
             state = self._append(state, k, v)
         o = o.reshape(B, T, H * D)

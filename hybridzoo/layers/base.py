@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridzoo.layers.state import MixerState, StateError
+from hybridzoo.parallel.context import check_mixer
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -39,6 +40,8 @@ class Mixer(nn.Module):
     """
 
     kind: ClassVar[str] = ""
+    #: runs with its sequence sharded inside :func:`hybridzoo.parallel.context.context_parallel`
+    context_parallel: ClassVar[bool] = False
 
     def __init__(self, d_model: int):
         super().__init__()
@@ -68,4 +71,5 @@ class Mixer(nn.Module):
             if not isinstance(state, MixerState):
                 raise StateError(f"{name}: state must be a MixerState or None, got {type(state).__name__}")
             state.check(self.kind, x.shape[0], x.device, self.expected_state(x.shape[0], activation_dtype(x)))
+        check_mixer(self, state)
         return self.mix(x, state)

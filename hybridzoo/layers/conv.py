@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hybridzoo.kernels import causal_conv1d, causal_conv1d_step
+from hybridzoo.parallel.context import sharded
 
 
 class ShortConv(nn.Module):
@@ -43,6 +44,6 @@ class ShortConv(nn.Module):
             y, new_tail = causal_conv1d_step(x[:, 0], self.weight, self.bias, tail,
                                              activation=self.activation)
             return y[:, None], new_tail
-        return causal_conv1d(x, self.weight, self.bias, initial_state=tail,
+        return sharded(causal_conv1d)(x, self.weight, self.bias, initial_state=tail,
                              output_final_state=True, activation=self.activation,
                              backend=self.backend)

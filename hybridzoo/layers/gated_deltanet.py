@@ -51,6 +51,7 @@ from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.parallel.context import sharded
 
 L2_EPS = 1e-6  # HF's and fla's l2norm: x * rsqrt(Σ x² + eps)
 
@@ -110,6 +111,7 @@ class GatedDeltaNet(Mixer):
     """
 
     kind = "gdn"
+    context_parallel = True
 
     def __init__(self, d_model: int, config: GatedDeltaNetConfig | None = None, backend: str = "auto"):
         super().__init__(d_model)
@@ -181,7 +183,7 @@ class GatedDeltaNet(Mixer):
                                            state.recurrent, scale=scale)
             o = o[:, None]
         else:
-            o, recurrent = chunk_delta_rule(
+            o, recurrent = sharded(chunk_delta_rule)(
                 q, k, v, log_a, beta, scale=scale,
                 initial_state=None if state is None else state.recurrent,
                 output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)

@@ -30,6 +30,7 @@ from hybridzoo.layers.base import Mixer
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.parallel.context import sequence_start, sharded
 
 
 @dataclass
@@ -183,7 +184,7 @@ class LinearAttentionMixer(Mixer):
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
         cfg, G = self.config, self.num_kv_groups
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        offset = 0 if state is None else state.offset
+        offset = sequence_start(x.shape[1]) if state is None else state.offset
         q, k, v, conv = self._qkv(x, None if state is None else state.conv)
         q, k = self.positions(q.unflatten(-1, (H, K)), k.unflatten(-1, (H // G, K)), offset)
         # key/value head j serves query heads j*G .. j*G + G - 1 (fla's repeat '(h g)')
@@ -196,7 +197,7 @@ class LinearAttentionMixer(Mixer):
                                             scale=self.scale)
             o = o[:, None]
         else:
-            o, recurrent = chunk_linear_attn(
+            o, recurrent = sharded(chunk_linear_attn)(
                 q, k, v, log_a, scale=self.scale,
                 initial_state=None if state is None else state.recurrent,
                 output_final_state=True, chunk_size=cfg.chunk_size, backend=self.backend)

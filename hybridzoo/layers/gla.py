@@ -69,6 +69,7 @@ class GLA(LinearAttentionMixer):
     """
 
     kind = "gla"
+    context_parallel = True
     config: GLAConfig
 
     def __init__(self, d_model: int, config: GLAConfig | None = None, backend: str = "auto"):

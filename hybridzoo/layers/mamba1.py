@@ -32,6 +32,7 @@ from hybridzoo.kernels import selective_scan, selective_scan_step
 from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.parallel.context import sharded
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Mamba1(Mixer):
     """
 
     kind = "mamba1"
+    context_parallel = True
 
     def __init__(self, d_model: int, config: Mamba1Config | None = None, backend: str = "auto"):
         super().__init__(d_model)
@@ -143,7 +145,7 @@ class Mamba1(Mixer):
                 delta_bias=self.dt_proj.bias, delta_softplus=True, state=state.recurrent)
             y = y[:, None]
         else:
-            y, recurrent = selective_scan(
+            y, recurrent = sharded(selective_scan)(
                 u, delta, A, B, C, self.D, z, delta_bias=self.dt_proj.bias, delta_softplus=True,
                 initial_state=None if state is None else state.recurrent,
                 output_final_state=True, backend=self.backend)

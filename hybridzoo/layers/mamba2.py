@@ -32,6 +32,7 @@ from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
+from hybridzoo.parallel.context import sharded
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Mamba2(Mixer):
     """
 
     kind = "mamba2"
+    context_parallel = True
 
     def __init__(self, d_model: int, config: Mamba2Config | None = None, backend: str = "auto"):
         super().__init__(d_model)
@@ -157,7 +159,7 @@ class Mamba2(Mixer):
                                             state.recurrent, scale=1.0)
             y = y[:, None]
         else:
-            y, recurrent = chunk_linear_attn(
+            y, recurrent = sharded(chunk_linear_attn)(
                 C, B, v, log_a, scale=1.0, initial_state=None if state is None else state.recurrent,
                 output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
         y = y + self.D.to(compute)[:, None] * xs.to(compute)                # [B, T, H, P]

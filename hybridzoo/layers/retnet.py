@@ -72,6 +72,7 @@ class RetNet(LinearAttentionMixer):
     """
 
     kind = "retnet"
+    context_parallel = True
     config: RetNetConfig
 
     def __init__(self, d_model: int, config: RetNetConfig | None = None, backend: str = "auto"):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.layers import MIXERS, MixerState, RMSNorm, SwiGLU
+from hybridzoo.parallel.context import model_call, sharded
 from hybridzoo.zoo.config import HybridConfig
 
 ModelState = list  # list[MixerState | None], one entry per block
@@ -144,9 +145,10 @@ class HybridLM(nn.Module):
         if len(state) != len(self.blocks):
             raise ValueError(f"HybridLM: state has {len(state)} entries, the model has {len(self.blocks)} blocks")
         x, new_state = inputs_embeds, []
-        for block, block_state in zip(self.blocks, state):
-            x, block_state = block(x, block_state)
-            new_state.append(block_state)
+        with model_call(inputs_embeds, state):  # context parallelism: one shape check, no state
+            for block, block_state in zip(self.blocks, state):
+                x, block_state = block(x, block_state)
+                new_state.append(block_state)
         if return_hidden:
             return self.norm(x), new_state
         logits = self.lm_head(self.norm(x))
@@ -155,8 +157,9 @@ class HybridLM(nn.Module):
         if labels is not None and targets is not None:
             raise ValueError("HybridLM: give labels (shifted inside) or targets (aligned), not both")
         if labels is not None:
-            targets = shift_labels(labels)
-        return logits, new_state, lm_loss(logits, targets)
+            targets = sharded(shift_labels)(labels)  # across ranks under context parallelism
+        # under context parallelism: this rank's share of the mean (the shares sum to it)
+        return logits, new_state, sharded(lm_loss)(logits, targets)
 
     def init_state(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None) -> ModelState:

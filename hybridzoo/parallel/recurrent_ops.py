@@ -1,0 +1,201 @@
+"""The recurrent kernel ops with their sequence sharded over a process group (exact).
+
+Each op takes the arguments of its :mod:`hybridzoo.kernels` namesake for this rank's slice of
+the sequence (rank ``p`` of ``P`` holds tokens ``[p T, (p + 1) T)``, the same ``T`` on every
+rank), plus ``group`` (None = the world) and ``method`` (``"scan"``: log2 P rounds, or
+``"sequential"``: one state passed from rank to rank; see :mod:`hybridzoo.parallel.rank_scan`).
+They are built only on the kernels' ``initial_state`` / ``final_state`` and their gradients, so
+every backend inherits them (``backend=`` is passed through):
+
+1. the kernel runs on the local slice from a zero state, with autograd: ``(o_loc, S_loc)``;
+2. the slice's transition ``A`` (total decay, or the delta rule's ``K x K`` product) and
+   ``S_loc`` go through :func:`~hybridzoo.parallel.rank_scan.pass_states`: ``S_in``;
+3. ``o = o_loc + correction(S_in)`` (the inter-chunk term of ``S_in``) and
+   ``final_state = A S_in + S_loc``, both local and cheap.
+
+``initial_state`` is the state before the whole sequence: it is read on rank 0 (other ranks may
+pass the same tensor or None) and its gradient arrives there. ``final_state`` on rank ``p`` is the
+state after rank ``p``'s slice (on the last rank: after the whole sequence).
+
+Per call and rank the extra work is the correction (one ``[T, K] x [K, V]`` product per head for
+linear attention and the delta rule, ``T·D·N`` multiply-adds for Mamba-1); the extra memory is
+``A`` and ``S_in``; what is sent is counted by :func:`state_bytes_per_call`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridzoo import kernels
+from hybridzoo.parallel.comm import (ContextParallelError, Shift, check_same_shapes, rank_and_size)
+from hybridzoo.parallel.rank_scan import pass_states, scan_bytes
+
+
+def _enter(group, what: str, tensors, check: bool) -> int:
+    """This rank; with ``check``, first one ``all_gather`` that the ranks' slices agree (the
+    sequence's ``initial_state`` is left out: only rank 0 reads it)."""
+    rank, _ = rank_and_size(group)
+    if check:
+        check_same_shapes(group, what, tensors)
+    return rank
+
+
+def _incoming(kind: str, a: torch.Tensor, s_loc: torch.Tensor, initial_state, rank: int,
+              group, method: str) -> torch.Tensor:
+    """``S_in`` of this rank, the sequence's ``initial_state`` folded into rank 0's map."""
+    if rank == 0 and initial_state is not None:
+        init = initial_state.to(s_loc.dtype)
+        s_loc = s_loc + (a @ init if kind == "matrix" else a * init)
+    s_in = pass_states(kind, a, s_loc, group, method)
+    if rank == 0 and initial_state is not None:
+        s_in = s_in + initial_state.to(s_in.dtype)   # s_in is zeros here; the sum keeps it in the graph
+    return s_in
+
+
+def chunk_linear_attn(q, k, v, log_a=None, *, scale=None, initial_state=None,
+                      output_final_state=False, chunk_size=64, backend="auto",
+                      group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+    """Sharded :func:`hybridzoo.kernels.chunk_linear_attn` (scalar ``[B, T, H]``, per-key
+    ``[B, T, H, K]`` or no decay). Shapes and dtypes as there, ``T`` = this rank's tokens.
+
+    Transition of a slice: ``A = exp(Σ_t log_a_t)`` (``[B, H, 1, 1]`` or ``[B, H, K, 1]``, float32
+    or float64), a diagonal map. Correction: ``o_t += scale · (exp(Σ_{s<=t} log_a_s) ⊙ q_t)ᵀ S_in``
+    (a sum of logs, never a difference of cumulative sums). Messages carry ``[B, H, K, V]`` states
+    and ``A`` (``H`` or ``H·K`` numbers per batch row).
+    """
+    rank = _enter(group, "chunk_linear_attn", (q, k, v, log_a), check)
+    o_loc, s_loc = kernels.chunk_linear_attn(q, k, v, log_a, scale=scale, initial_state=None,
+                                             output_final_state=True, chunk_size=chunk_size,
+                                             backend=backend)
+    B, T, Hk, K = q.shape
+    H = v.shape[2]
+    dtype = s_loc.dtype
+    if log_a is None:
+        cum = torch.zeros(B, T, H, 1, dtype=dtype, device=q.device)
+    else:
+        cum = log_a.to(dtype).cumsum(1)
+        cum = cum[..., None] if log_a.dim() == 3 else cum                # [B, T, H, 1 or K]
+    a = torch.exp(cum[:, -1])[..., None]                                 # [B, H, 1 or K, 1]
+    s_in = _incoming("diag", a, s_loc, initial_state, rank, group, method)
+    scale = K ** -0.5 if scale is None else scale
+    q_dec = q.to(dtype).repeat_interleave(H // Hk, dim=2) * torch.exp(cum)  # [B, T, H, K]
+    o = o_loc + (scale * torch.einsum("bthk,bhkv->bthv", q_dec, s_in)).to(o_loc.dtype)
+    return o, (a * s_in + s_loc if output_final_state else None)
+
+
+def chunk_delta_rule(q, k, v, log_a, beta, *, scale=None, initial_state=None,
+                     output_final_state=False, chunk_size=64, backend="auto",
+                     group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+    """Sharded :func:`hybridzoo.kernels.chunk_delta_rule`. Shapes and dtypes as there.
+
+    The transition of a slice, ``M = Π_t a_t (I − β_t k_t k_tᵀ)``, is a full ``K x K`` matrix per
+    head, so the state cannot be rescaled: either the state itself is passed (rank ``p`` runs its
+    kernel only after rank ``p - 1`` finished: ``P`` slices one after another) or ``M`` is composed.
+    We compose ``M``: one kernel pass with ``K`` extra value columns gives it and the correction at
+    once. The pass starts from ``[I | 0]`` (``[B, H, K, K + V]``) with values ``[0 | v]``: the
+    first ``K`` state columns evolve as ``M_{<=t}``, the last ``V`` as the zero-state run, so the
+    final state is ``[M | S_loc]`` and the first ``K`` output columns are
+    ``w_t = scale · M_{<=t}ᵀ q_t``, giving the correction ``o_t += w_tᵀ S_in`` exactly. Cost: the
+    kernel's value-dependent work grows by ``(K + V) / V``, messages carry ``K·K·H`` more numbers
+    per batch row (``M``) in the scan schedule; in exchange every rank's kernel runs in parallel
+    and only the ``P``-element scan waits. With ``method="sequential"`` the composed states still
+    travel one rank at a time (only ``S``, not ``M``, is sent), but no kernel waits.
+    """
+    rank = _enter(group, "chunk_delta_rule", (q, k, v, log_a, beta), check)
+    B, T, Hk, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    eye = torch.eye(K, dtype=dtype, device=q.device).expand(B, H, K, K)
+    start = torch.cat([eye, eye.new_zeros(B, H, K, V)], dim=-1)          # [I | 0]
+    values = torch.cat([v.new_zeros(B, T, H, K), v], dim=-1)              # [0 | v]
+    out, final = kernels.chunk_delta_rule(q, k, values, log_a, beta, scale=scale, initial_state=start,
+                                          output_final_state=True, chunk_size=chunk_size,
+                                          backend=backend)
+    w, o_loc = out[..., :K], out[..., K:]
+    m, s_loc = final[..., :K], final[..., K:]
+    s_in = _incoming("matrix", m, s_loc, initial_state, rank, group, method)
+    o = o_loc + torch.einsum("bthk,bhkv->bthv", w.to(s_in.dtype), s_in).to(o_loc.dtype)
+    return o, (m @ s_in + s_loc if output_final_state else None)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   initial_state=None, output_final_state=False, *, backend="auto",
+                   group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+    """Sharded :func:`hybridzoo.kernels.selective_scan`. Shapes and dtypes as there.
+
+    Transition of a slice: ``exp(A Σ_t Δ_t)`` ``[B, Dm, N]``, elementwise. Correction:
+    ``y_t += silu(z_t) · Σ_n C_t[n] exp(A[:, n] Σ_{s<=t} Δ_s) h_in[:, n]`` (``T·Dm·N`` terms).
+    Messages carry ``[B, Dm, N]`` states (and ``A`` of that size in the scan schedule).
+    """
+    rank = _enter(group, "selective_scan", (u, delta, B, C, z), check)
+    y_loc, h_loc = kernels.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                          initial_state=None, output_final_state=True, backend=backend)
+    dtype = h_loc.dtype
+    batch, T, dm = u.shape
+    dt = delta.to(dtype) + (0 if delta_bias is None else delta_bias.to(dtype))
+    dt = F.softplus(dt) if delta_softplus else dt
+    cum = dt.cumsum(1)                                                   # [B, T, Dm]
+    A_ = A.to(dtype)
+    a = torch.exp(cum[:, -1, :, None] * A_)                              # [B, Dm, N]
+    h_in = _incoming("diag", a, h_loc, initial_state, rank, group, method)
+    C_ = C.to(dtype)
+    if C_.dim() == 3:
+        C_ = C_[:, :, None]                                              # [B, T, G, N]
+    C_d = C_.repeat_interleave(dm // C_.shape[2], dim=2)                 # [B, T, Dm, N]
+    corr = (C_d * torch.exp(cum[..., None] * A_) * h_in[:, None]).sum(-1)  # [B, T, Dm]
+    if z is not None:
+        corr = corr * F.silu(z.to(dtype))
+    y = y_loc + corr.to(y_loc.dtype)
+    return y, (a * h_in + h_loc if output_final_state else None)
+
+
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_state=False,
+                  activation=None, backend="auto", group: dist.ProcessGroup | None = None,
+                  method: str = "scan", check: bool = True):
+    """Sharded :func:`hybridzoo.kernels.causal_conv1d`: rank ``p`` receives the last ``W − 1``
+    inputs of rank ``p − 1`` (``[B, W-1, Dm]``, one message per rank boundary, and their gradient
+    back) and runs the kernel with them as its ``initial_state``. Needs ``T >= W − 1`` per rank.
+    ``method`` is accepted for a uniform signature (there is nothing to scan)."""
+    rank = _enter(group, "causal_conv1d", (x,), check)
+    tail = weight.shape[-1] - 1
+    if tail == 0:
+        return kernels.causal_conv1d(x, weight, bias, initial_state=None,
+                                     output_final_state=output_final_state, activation=activation,
+                                     backend=backend)
+    if x.shape[1] < tail:
+        raise ContextParallelError(f"causal_conv1d: each rank needs at least W - 1 = {tail} tokens "
+                                   f"to pass its tail on, this rank has {x.shape[1]}; use fewer ranks")
+    received = Shift.apply(x[:, -tail:], 1, group, False)
+    if rank == 0 and initial_state is not None:
+        received = received + initial_state.to(received.dtype)
+    return kernels.causal_conv1d(x, weight, bias, initial_state=received,
+                                 output_final_state=output_final_state, activation=activation,
+                                 backend=backend)
+
+
+def state_bytes_per_call(op: str, size: int, method: str, *, batch: int, heads: int = 1,
+                         key_dim: int = 1, value_dim: int = 1, per_key_decay: bool = False,
+                         channels: int = 1, d_state: int = 1, conv_width: int = 1,
+                         itemsize: int = 4) -> int:
+    """Bytes all ranks send together in the forward of one sharded call (the backward sends
+    the same again). ``itemsize``: bytes per state number (4 for float32 states, 8 for float64).
+
+    * ``chunk_linear_attn``: state ``s = B·H·K·V``, transition ``a = B·H`` (``B·H·K`` per-key);
+    * ``chunk_delta_rule``: ``s = B·H·K·V``, ``a = B·H·K·K``;
+    * ``selective_scan``: ``s = a = B·Dm·N``;
+    * ``causal_conv1d``: ``(P − 1)·B·(W − 1)·Dm`` (one tail per rank boundary);
+    then ``scan_bytes(P, s, a, method)`` (see :mod:`hybridzoo.parallel.rank_scan`).
+    """
+    if op == "causal_conv1d":
+        return (size - 1) * batch * (conv_width - 1) * channels * itemsize
+    if op == "chunk_linear_attn":
+        s, a = batch * heads * key_dim * value_dim, batch * heads * (key_dim if per_key_decay else 1)
+    elif op == "chunk_delta_rule":
+        s, a = batch * heads * key_dim * value_dim, batch * heads * key_dim * key_dim
+    elif op == "selective_scan":
+        s = a = batch * channels * d_state
+    else:
+        raise ValueError(f"state_bytes_per_call: unknown op {op!r}")
+    return scan_bytes(size, s * itemsize, a * itemsize, method)
