@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from hybridzoo.cli import user_error_exit, user_errors
+from hybridzoo.cli_errors import user_error_exit, user_errors
 from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond
 from hybridzoo.training.data import TextDataModule  # imported: short class_path names resolve
 from hybridzoo.training.module import LanguageModel

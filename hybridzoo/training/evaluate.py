@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hybridzoo.cli import user_error_exit, user_errors
+from hybridzoo.cli_errors import user_error_exit, user_errors
 from hybridzoo.training.callbacks import TRAINING_NAME
 from hybridzoo.training.tokenizers import has_tokenizer
 

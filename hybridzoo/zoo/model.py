@@ -195,7 +195,7 @@ class HybridLM(nn.Module):
     def from_recipe(cls, name_or_path: str | Path, **overrides: Any) -> "HybridLM":
         """Build from the model section of a packaged recipe name or a YAML path;
         ``overrides`` replace HybridConfig fields (e.g. ``layers="mamba2 attn", n_layers=4``)."""
-        from hybridzoo.zoo.recipes import load_recipe_config
+        from hybridzoo.zoo.recipe_files import load_recipe_config
 
         return cls(load_recipe_config(name_or_path, **overrides))
 
@@ -204,9 +204,9 @@ class HybridLM(nn.Module):
                 dtype: torch.dtype | None = None) -> "HybridLM":
         """Convert a local Hugging Face checkpoint directory (Mamba, Mamba-2, Qwen3-Next dense,
         Qwen3.5 text); see :func:`hybridzoo.zoo.convert.from_hf`."""
-        from hybridzoo.zoo.convert import from_hf
+        from hybridzoo.zoo.hf_checkpoint import load_hf
 
-        return from_hf(path, device=device, dtype=dtype)
+        return load_hf(cls, path, device=device, dtype=dtype)
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied LM head is counted once)."""
