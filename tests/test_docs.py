@@ -4,7 +4,8 @@ Conventions for the documents:
 
 * A fenced ```python block is executed (all blocks in one subprocess, each in a fresh namespace,
   in a temporary directory that holds an untrained ``tiny-hybrid`` export at
-  ``runs/tiny-hybrid/export``) unless the line before its fence is ``<!-- no-run: REASON -->``.
+  ``runs/tiny-hybrid/export``) unless the line before its fence is ``<!-- no-run: REASON -->``
+  (the reason is required: a bare marker fails).
 * A fenced ```bash block is executed command by command in that directory (the repository's
   ``benchmarks/`` and ``scripts/`` linked in) unless it carries the same marker. Every command,
   executed or not, is checked: ``hybridzoo <sub>`` names a subcommand and only its flags,
@@ -70,14 +71,22 @@ def commands(code: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A directory with an untrained tiny-hybrid export where the quickstart expects one."""
+    """The documents' working directory: the repository's benchmarks/ and scripts/ linked in (the
+    Python driver adds an untrained tiny-hybrid export where the quickstart expects one)."""
     work = tmp_path_factory.mktemp("docs")
     for name in ("benchmarks", "scripts"):
         (work / name).symlink_to(ROOT / name)
-    subprocess.run([sys.executable, "-c", "from hybridzoo import HybridLM; "
-                    "HybridLM.from_recipe('tiny-hybrid').save_pretrained('runs/tiny-hybrid/export')"],
-                   cwd=work, check=True, env=_env(), timeout=120)
     return work
+
+
+_RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+
+
+def run_once(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run a documented command in ``cwd`` (once per test session: two tests may need it)."""
+    if tuple(cmd) not in _RUNS:
+        _RUNS[tuple(cmd)] = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=300)
+    return _RUNS[tuple(cmd)]
 
 
 def _env() -> dict:
@@ -98,6 +107,8 @@ def test_every_skipped_block_gives_a_reason():
 # ---- python ----------------------------------------------------------------------------------------
 DRIVER = textwrap.dedent("""
     import json, sys, traceback
+    from hybridzoo import HybridLM
+    HybridLM.from_recipe("tiny-hybrid").save_pretrained("runs/tiny-hybrid/export")
     results = []
     for doc, line, code in json.load(sys.stdin):
         try:
@@ -184,14 +195,13 @@ def test_bash_commands_name_real_subcommands_flags_and_files():
             assert known, f"{where}: a command form tests/test_docs.py does not check; teach it or mark the block"
 
 
-def test_fit_flags_exist():
+def test_fit_flags_exist(workdir):
     """Every dotted flag of every ``hybridzoo fit`` in the documents is a key of the recipe's
     resolved configuration (``hybridzoo fit --print_config``, one process)."""
     flags = {flag for _, _, cmd in _all_commands() if cmd[:2] == ["hybridzoo", "fit"]
              for flag in _flags(cmd[2:]) if "." in flag}
     assert flags
-    done = subprocess.run(["hybridzoo", "fit", "--config", "tiny-hybrid", "--print_config"], capture_output=True,
-                          text=True, env=_env(), timeout=300)
+    done = run_once(["hybridzoo", "fit", "--config", "tiny-hybrid", "--print_config"], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     config = yaml.safe_load(done.stdout)
     for flag in sorted(flags):
@@ -206,7 +216,7 @@ def test_bash_blocks_run(workdir):
         if reason is not None:
             continue
         for cmd in commands(code):
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=_env(), timeout=300)
+            done = run_once(cmd, workdir)
             assert done.returncode == 0, f"{doc}:{line}: {' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
