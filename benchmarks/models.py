@@ -13,6 +13,8 @@ whole repetition and, in the first repetition, the time from building the model 
 its first step (a cold start: compilation and autotuning included; keep ``TRITON_CACHE_DIR``
 empty to measure it cold). Each ratio (ours / peer) is the median over repetitions, with its
 minimum and maximum. A peer whose package is missing is skipped with a message naming it.
+Autotuners' choices are cached with Triton's compiled kernels (``TRITON_CACHE_AUTOTUNING=1``
+unless set), so a second run on the same machine skips fla's minutes of autotuning.
 
     python -m benchmarks models --out results/models.json
     python -m benchmarks models --pairs gla-340m,attn-340m --lengths 2048 --repeats 3
@@ -24,18 +26,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # before Triton is imported: keep autotuning results
 
-from benchmarks.meta import run_metadata, write_json
-from hybridzoo import HybridConfig, HybridLM
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.meta import run_metadata, write_json  # noqa: E402
+from hybridzoo import HybridConfig, HybridLM  # noqa: E402
 
 
 class PeerMissing(RuntimeError):
