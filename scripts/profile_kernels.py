@@ -1,11 +1,11 @@
 """GPU time per kernel of one forward+backward of our op and of its anchor (torch.profiler).
 
-Uses the cases of ``scripts/bench_kernels.py`` (same shapes and inputs): after warm-up (compiles
+Uses the cases of ``benchmarks/kernels.py`` (same shapes and inputs): after warm-up (compiles
 and autotuning done), ``--iters`` forward+backward passes run under the profiler; the table lists
 every CUDA kernel with its launches and milliseconds per pass, for ours and for the anchor. It
 says which kernel limits an op (e.g. a sequential state pass against chunk-parallel work).
 
-    source scripts/gpu_setup.sh && python3 scripts/profile_kernels.py --only delta --out $OUT/prof.txt
+    python scripts/profile_kernels.py --only delta --out prof.txt
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import fwd_bwd_step, selected_cases  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.kernels import fwd_bwd_step, selected_cases  # noqa: E402
 
 
 def kernel_times(fn, grads, inputs, iters: int) -> dict[str, tuple[float, float]]:

@@ -1,6 +1,6 @@
 """Profile one training step (forward + backward) of a recipe on CUDA: the top kernels by GPU time.
 
-    python3 scripts/profile_step.py gated-deltanet-340m --tokens 8192 --out $OUT/profile.txt
+    python3 scripts/profile_step.py gated-deltanet-340m --tokens 8192 --out profile.txt
 
 fp32 weights, bf16 autocast, batch 1, random tokens, one warm-up step (compilation) then one
 timed and one profiled step; prints the step time and the table of the 30 kernels that took the

@@ -1,4 +1,4 @@
-"""scripts/bench_seco.py: its CPU smoke path, the JSON rows, and the K/V memory accounting.
+"""benchmarks/seco.py (``python -m benchmarks seco``): its CPU smoke path, the JSON rows, and the K/V memory accounting.
 
 The accounting is checked against sizes computed by hand from the recipes' numbers; the measured
 memory growth (PyTorch profiler allocation events on the CPU) against that accounting; the
@@ -16,7 +16,6 @@ import torch
 
 from hybridzoo import HybridLM
 from hybridzoo.training.seco_engine import seco_step
-from tests.conftest import load_script
 from tests.zoo.tiny import tiny_config
 
 CPU = torch.device("cpu")
@@ -27,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("bench_seco")
+    import benchmarks.seco
+
+    return benchmarks.seco
 
 
 def test_parse_tokens_and_fit_line(bench):

@@ -1,31 +1,42 @@
-"""GPU benchmark: hybridzoo's Triton kernels against fla and mamba_ssm on the shapes of
-shared/ANCHORS.md (bf16 inputs, fp32 decays, medians of ``triton.testing.do_bench``).
+"""Kernels: our Triton kernels beside fla / mamba_ssm (GPU); --cpu: reference delta rule vs transformers.
 
-Each row: forward and forward+backward time of ours (autotuned, and with the fixed launch
-settings: ``ours_fixed``) and of the anchor, in the same process,
-the ratio ours/anchor, the HBM byte floor of the forward (inputs read once + output written
-once over the measured copy bandwidth), and the relative error of our output against the
-anchor's. Prints a table last; writes JSON to --out.
+GPU (the default): each row times forward and forward+backward of ours (autotuned, and with the
+fixed launch settings: ``ours_fixed``) and of the anchor in the same process (bf16 inputs, fp32
+decays, medians of ``triton.testing.do_bench``), with the ratio ours/anchor, the HBM byte floor
+of the forward (inputs read once + output written once over the measured copy bandwidth) and the
+relative error of our output against the anchor's. Prints a table last; writes JSON to --out
+after every row.
 
-    source scripts/gpu_setup.sh && python3 scripts/bench_kernels.py --out $OUT/bench.json
+    python -m benchmarks kernels --out results/kernels.json [--only delta,per-key] [--append]
+
+``--cpu``: the gated delta rule, forward + backward in float32 (B1 T2048 H4 D64, chunk 64), our
+reference ``chunk_delta_rule`` against transformers' ``torch_chunk_gated_delta_rule`` (called
+unwrapped: the module-level name dispatches to fla when fla is installed), runs interleaved,
+medians after warm-up. Needs transformers.
+
+    python -m benchmarks kernels --cpu --out results/cpu-delta-rule.json [--runs 5 --seq-len 2048]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import math
+import os
+import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hybridzoo.kernels as K  # noqa: E402
-from hybridzoo.kernels.triton import launch  # noqa: E402
-from hybridzoo.utils import rel_err, run_metadata  # noqa: E402
+import hybridzoo.kernels as K
+from benchmarks.meta import run_metadata, write_json
+from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule
+from hybridzoo.utils import rel_err
 
 DEV = "cuda"
 
@@ -171,7 +182,7 @@ def selected_cases(only: str | None) -> list[tuple]:
 
 def results_header(bandwidth: float) -> dict:
     """The JSON's fields before ``rows``: date, commit, device, versions, copy bandwidth, notes."""
-    meta = run_metadata(("triton", "fla", "mamba_ssm"))
+    meta = run_metadata(("fla", "mamba_ssm", "causal_conv1d"))
     return {
         **meta, "copy_bandwidth_GBps": bandwidth / 1e9, "dtype": "bf16 inputs, fp32 decays",
         "note": "* fla 0.6 gated backward timed with fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True "
@@ -180,17 +191,36 @@ def results_header(bandwidth: float) -> dict:
 
 
 def write_results(path: str, header: dict, rows: list[dict]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**header, "rows": rows}, indent=2) + "\n")
+    write_json(path, {**header, "rows": rows})
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}-kernels-h200.json")
-    parser.add_argument("--only", default=None, help="comma-separated substrings: run the cases whose name holds one")
-    parser.add_argument("--append", action="store_true", help="keep the rows already in --out (same case and "
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks kernels", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/<date>-kernels.json, "
+                        "or <date>-cpu-delta-rule.json with --cpu)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU benchmark (reference delta rule vs transformers)")
+    parser.add_argument("--only", default=None, help="GPU: comma-separated substrings; run the cases whose name holds one")
+    parser.add_argument("--append", action="store_true", help="GPU: keep the rows already in --out (same case and "
                         "shape rows are replaced)")
-    args = parser.parse_args()
+    parser.add_argument("--runs", type=int, default=5, help="--cpu: timed runs of each side")
+    parser.add_argument("--warmup", type=int, default=1, help="--cpu: untimed runs first")
+    parser.add_argument("--seq-len", type=int, default=2048, help="--cpu: T")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    today = datetime.date.today().isoformat()
+    if args.cpu:
+        return cpu_delta_rule(args.out or f"benchmarks/results/{today}-cpu-delta-rule.json",
+                              args.runs, args.warmup, args.seq_len)
+    if not torch.cuda.is_available():
+        print("kernels: no CUDA device; use --cpu for the CPU benchmark", file=sys.stderr)
+        return 2
+    from hybridzoo.kernels.triton import launch
+
+    args.out = args.out or f"benchmarks/results/{today}-kernels.json"
     bandwidth = copy_bandwidth()
     header = results_header(bandwidth)
     rows = []
@@ -250,5 +280,89 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ---- CPU: the reference delta rule beside transformers' --------------------------------------------
+def time_fwd_bwd(fn, inputs, grad_out) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+    """One forward + backward; returns (seconds, output, input gradients)."""
+    for x in inputs:
+        x.grad = None
+    start = time.perf_counter()
+    o = fn(*inputs)
+    (o * grad_out).sum().backward()
+    elapsed = time.perf_counter() - start
+    return elapsed, o.detach(), [x.grad for x in inputs]
+
+
+def cpu_delta_rule(out: str, runs: int, warmup: int, seq_len: int) -> int:
+    """Time the gated delta rule's forward + backward, ours and transformers', interleaved; write JSON."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    theirs_fn = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)  # the pure-PyTorch path
+
+    B, T, H, D, chunk_size = 1, seq_len, 4, 64, 64
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, D)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)
+    v = torch.randn(B, T, H, D)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H) + 3.0)  # log decays, mostly near 0
+    beta = torch.rand(B, T, H)
+    grad_out = torch.randn(B, T, H, D)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+    def ours(q, k, v, g, beta):
+        return chunk_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)[0]
+
+    def theirs(q, k, v, g, beta):
+        return theirs_fn(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=False)[0]
+
+    times: dict[str, list[float]] = {"ours": [], "transformers": []}
+    results = {}
+    for i in range(warmup + runs):
+        for name, fn in (("ours", ours), ("transformers", theirs)):  # interleaved: same noise for both
+            elapsed, o, grads = time_fwd_bwd(fn, inputs, grad_out)
+            if i >= warmup:
+                times[name].append(elapsed)
+            results[name] = (o, grads)
+
+    out_err = rel_err(results["ours"][0], results["transformers"][0])
+    grad_errs = {n: rel_err(a, b) for n, a, b in
+                 zip(("q", "k", "v", "g", "beta"), results["ours"][1], results["transformers"][1])}
+    ours_s = statistics.median(times["ours"])
+    theirs_s = statistics.median(times["transformers"])
+    ratio = theirs_s / ours_s
+
+    print(f"gated delta rule fwd+bwd, float32, B={B} T={T} H={H} D={D} chunk={chunk_size}, "
+          f"{torch.get_num_threads()} threads, median of {runs}")
+    print(f"  ours (hybridzoo reference chunk_delta_rule): {ours_s * 1e3:8.2f} ms")
+    print(f"  transformers torch_chunk_gated_delta_rule:   {theirs_s * 1e3:8.2f} ms")
+    print(f"  speed-up (transformers / ours): {ratio:.2f}x")
+    print(f"  rel err of outputs {out_err:.2e}; of gradients "
+          + ", ".join(f"{n} {e:.1e}" for n, e in grad_errs.items()))
+
+    run = run_metadata(("transformers",))
+    record = {
+        "benchmark": "cpu-delta-rule",
+        "date": run["date"],
+        "commit": run["commit"],
+        "worktree_dirty": run["dirty"],
+        "device": {"cpu": run["device"], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": run["versions"],
+        "op": "gated delta rule, forward + backward (grads to q, k, v, g, beta), float32",
+        "shapes": {"B": B, "T": T, "H": H, "K": D, "V": D, "chunk_size": chunk_size},
+        "runs": runs,
+        "warmup": warmup,
+        "ours": {"impl": "hybridzoo.kernels.reference.delta_rule.chunk_delta_rule",
+                 "median_s": ours_s, "times_s": times["ours"]},
+        "anchor": {"impl": "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule "
+                           "(pure PyTorch, use_qk_l2norm_in_kernel=False, keys L2-normalised by the caller)",
+                   "median_s": theirs_s, "times_s": times["transformers"]},
+        "ratio_anchor_over_ours": ratio,
+        "rel_err_output": out_err,
+        "rel_err_grads": grad_errs,
+    }
+    print(f"wrote {write_json(out, record)}")
+    if out_err > 1e-5:
+        print(f"outputs disagree: rel err {out_err:.2e}", file=sys.stderr)
+        return 1
+    return 0
+
+

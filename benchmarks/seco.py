@@ -1,4 +1,4 @@
-"""GPU benchmark of SeCO: one training step of a long sequence, SeCO vs SeCO + kv_offload vs full backprop.
+"""SeCO: one training step of a long sequence, SeCO vs SeCO + kv_offload vs full backprop (GPU).
 
 For each recipe (default: ``qwen35-0.8b``, the 3:1 Gated DeltaNet : attention hybrid of ~0.75B
 parameters, and ``gated-deltanet-340m``, pure recurrent) and each length (default 32k, 128k,
@@ -50,17 +50,16 @@ the store's dtype. A pure recurrent model has K/V = 0: only its boundary states 
 
 Usage (one process; every configuration in its own try/except)::
 
-    PYTHONUNBUFFERED=1 python3 scripts/bench_seco.py --out $OUT/seco.json
-    python3 scripts/bench_seco.py --plot-only benchmarks/results/<date>-seco-h200.json
-    python3 scripts/bench_seco.py --cpu-smoke          # tiny models on the CPU, < 60 s
+    python -m benchmarks seco --out results/seco.json
+    python -m benchmarks seco --recipes qwen35-0.8b --lengths 32k,128k --chunk-size 16384
+    python -m benchmarks seco --plot-only benchmarks/results/<date>-seco.json
+    python -m benchmarks seco --cpu-smoke          # tiny models on the CPU, < 60 s
 
-Budget: a device command may run 10 minutes, so a row whose time, extrapolated from the shorter
-lengths of its recipe and mode, exceeds ``--max-step-s`` (540) is recorded as skipped; a mode that
-did not fit at one length is not tried at longer ones. ``--resume`` keeps the finished rows of
-``--out`` and runs only the others, so the work can be split over several commands: put the JSON
-that came back into the working tree (it travels with the next command) and pass it as ``--out``,
-e.g. ``--recipes qwen35-0.8b --lengths 32k,128k,256k``, then ``--recipes qwen35-0.8b --lengths
-512k,1M --resume``, then ``--recipes gated-deltanet-340m --resume``.
+A row whose time, extrapolated from the shorter lengths of its recipe and mode, exceeds
+``--max-step-s`` (default 540) is recorded as skipped; a mode that did not fit at one length is not
+tried at longer ones. ``--resume`` keeps the finished rows of ``--out`` and runs only the others,
+so the work can be split over several processes with one ``--out``, e.g. ``--recipes qwen35-0.8b
+--lengths 32k,128k,256k``, then ``--recipes qwen35-0.8b --lengths 512k,1M --resume``.
 
 ``--cpu-smoke`` runs every code path (the check, SeCO, SeCO + offload without pinning, full
 backprop, the fits, the summary) on a tiny hybrid with full attention and a tiny pure recurrent
@@ -77,7 +76,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -89,7 +87,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridzoo import HybridLM  # noqa: E402
 from hybridzoo.layers import chunk_attention  # noqa: E402
 from hybridzoo.layers.attention import Attention  # noqa: E402
@@ -105,7 +102,7 @@ from hybridzoo.training.seco_engine import (  # noqa: E402
     offload_bytes,
     seco_step,
 )
-from hybridzoo.utils import run_metadata  # noqa: E402
+from benchmarks.meta import run_metadata  # noqa: E402
 
 MODES = ("seco", "seco_offload", "full")
 DEFAULT_RECIPES = "qwen35-0.8b,gated-deltanet-340m"
@@ -372,7 +369,7 @@ def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, str]:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def _meta(device: torch.device, args: dict) -> dict:
-    run = run_metadata(("triton",))
+    run = run_metadata()
     meta = {
         "date": run["date"], "commit": run["commit"], "dirty": run["dirty"],
         "device": run["device"],
@@ -485,8 +482,7 @@ def benchmark(recipes: list[str], lengths: list[int], modes: list[str], chunk_si
         _free(device)
         # warm-up: every mode once at a short length (kernels compiled, AdamW states allocated),
         # long enough that SeCO meets every prefix-block length it will use (chunk, 2 chunks, ...,
-        # block_size): each new block length compiles flex_attention (before 2026-11-30's session 6
-        # so did each new sequence length: its blocks' strides depended on it)
+        # block_size): each new block length compiles flex_attention
         warm = min(max(2 * chunk_size, (block_size or chunk_size) + chunk_size), max(lengths))
         info["warmup_tokens"] = warm
         for mode in dict.fromkeys(m for _, m in todo):
@@ -749,7 +745,7 @@ def print_summary(result: dict) -> None:
 
 # ---- command line -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m benchmarks seco", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", default=None, help=f"comma-separated recipe names / YAML paths "
                                                         f"(default {DEFAULT_RECIPES})")
@@ -771,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp32-matmul", choices=("highest", "high", "medium"), default="high",
                         help="torch.set_float32_matmul_precision (high = TF32)")
     parser.add_argument("--out", default=None, help="JSON results, rewritten after every row "
-                                                    "(default benchmarks/results/<date>-seco-h200.json)")
+                                                    "(default benchmarks/results/<date>-seco.json)")
     parser.add_argument("--plot", default=None, help="PNG plot path (default: --out with .png)")
     parser.add_argument("--resume", action="store_true", help="keep the finished rows of --out and run the rest")
     parser.add_argument("--max-step-s", type=float, default=540.0,
@@ -804,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         recipes = args.recipes or DEFAULT_RECIPES
         lengths = args.lengths or DEFAULT_LENGTHS
         chunk_size = args.chunk_size or 4096
-        out = args.out or f"benchmarks/results/{datetime.date.today()}-seco-h200.json"
+        out = args.out or f"benchmarks/results/{datetime.date.today()}-seco.json"
     torch.set_float32_matmul_precision(args.fp32_matmul)
     if args.triton_prefix_backward:
         chunk_attention.FLASH_ON_CUDA = False
@@ -830,6 +826,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} ({time.perf_counter() - start:.1f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

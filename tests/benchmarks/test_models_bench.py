@@ -1,0 +1,76 @@
+"""benchmarks/models.py on the CPU: peers of the same shape, interleaved repetitions, the row's ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+from benchmarks import models
+from hybridzoo import HybridLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("name", list(models.PAIRS))
+def test_each_peer_has_our_parameter_count(name):
+    """The peer is built from our config: same widths, heads, layers, vocabulary, so the same
+    parameter count (checked at the packaged size on the meta device, and at the smoke size)."""
+    pair = models.PAIRS[name]
+    for tiny in (True, False):
+        config = pair.ours(tiny)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                peer, kind = pair.peer(config)
+            except models.PeerMissing as error:
+                pytest.skip(str(error))
+            assert _count(HybridLM(config)) == _count(peer), (name, tiny)
+            assert kind in ("hf", "logits")
+
+
+def test_run_pair_interleaves_and_reports_median_min_max(tmp_path):
+    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=3, warmup=0, steps=1)
+    lines = []
+    row = models.run_pair(models.PAIRS["attn-340m"], 16, args, torch.device("cpu"), log=lines.append)
+    order = [line.split()[3] for line in lines]
+    assert order == ["ours", "peer"] * 3  # ours, peer, ours, peer, ...
+    ratios = [o["tokens_per_s"] / p["tokens_per_s"] for o, p in zip(row["ours"], row["peer_runs"])]
+    spread = row["ratio_tokens_per_s"]
+    assert spread["all"] == ratios and spread["min"] <= spread["median"] <= spread["max"]
+    assert spread["median"] == sorted(ratios)[1]
+    assert row["ours"][0]["params"] == row["peer_runs"][0]["params"]
+    assert all(r["first_step_s"] > 0 and r["loss"] > 0 for r in row["ours"] + row["peer_runs"])
+
+
+def test_a_missing_peer_is_skipped_with_a_message():
+    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=1, warmup=0, steps=1)
+    lines = []
+    row = models.run_pair(models.PAIRS["gated-deltanet-340m"], 16, args, torch.device("cpu"), log=lines.append)
+    assert "runs on CUDA only" in row["peer_skipped"] and "peer skipped" in lines[0]
+    assert len(row["ours"]) == 1 and row["peer_runs"] == [] and "ratio_tokens_per_s" not in row
+
+
+def test_cli_refuses_few_repeats_and_unknown_pairs(capsys):
+    with pytest.raises(SystemExit):
+        models.parse_args(["--repeats", "2"])
+    assert "at least 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        models.parse_args(["--pairs", "gla-340m,nope"])
+    assert "unknown pair" in capsys.readouterr().err
+
+
+def test_cpu_smoke_cli_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "SMOKE_PAIRS", "attn-340m")
+    out = tmp_path / "models.json"
+    assert models.main(["--cpu-smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["cpu_smoke"] and record["versions"]["torch"] == torch.__version__
+    assert [row["pair"] for row in record["rows"]] == ["attn-340m"] and record["rows"][0]["ratio_tokens_per_s"]
