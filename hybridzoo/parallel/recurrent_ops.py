@@ -7,7 +7,8 @@ rank), plus ``group`` (None = the world) and ``method`` (``"scan"``: log2 P roun
 They are built only on the kernels' ``initial_state`` / ``final_state`` and their gradients, so
 every backend inherits them (``backend=`` is passed through):
 
-1. the kernel runs on the local slice from a zero state, with autograd: ``(o_loc, S_loc)``;
+1. the kernel runs on the local slice from a zero state, with autograd: ``(o_loc, S_loc)`` (the
+   delta rule starts from ``[I | 0]`` instead, see :func:`chunk_delta_rule`);
 2. the slice's transition ``A`` (total decay, or the delta rule's ``K x K`` product) and
    ``S_loc`` go through :func:`~hybridzoo.parallel.rank_scan.pass_states`: ``S_in``;
 3. ``o = o_loc + correction(S_in)`` (the inter-chunk term of ``S_in``) and
@@ -18,8 +19,11 @@ pass the same tensor or None) and its gradient arrives there. ``final_state`` on
 state after rank ``p``'s slice (on the last rank: after the whole sequence).
 
 Per call and rank the extra work is the correction (one ``[T, K] x [K, V]`` product per head for
-linear attention and the delta rule, ``T·D·N`` multiply-adds for Mamba-1); the extra memory is
-``A`` and ``S_in``; what is sent is counted by :func:`state_bytes_per_call`.
+linear attention and the delta rule, ``T·D·N`` multiply-adds for Mamba-1) and, for the delta rule,
+``K`` extra value columns in its one kernel pass; the extra memory is ``A``, ``S_in`` and the
+correction's operands (for Mamba-1 the decays ``[B, T, Dm, N]``, a state per token, kept for the
+backward: the selective scan's own fused kernels avoid that, this correction does not yet); what
+is sent is counted by :func:`state_bytes_per_call`.
 """
 
 from __future__ import annotations
