@@ -108,11 +108,14 @@ def check_same_shapes(group: dist.ProcessGroup | None, what: str,
             row[0], row[1], row[2] = t.dim(), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99, int(t.requires_grad)
             row[3:3 + t.dim()] = list(t.shape)
         rows.append(row)
-    mine = torch.tensor(rows, dtype=torch.int64).flatten()
+    device = "cpu"  # gloo gathers host tensors; NCCL needs them on the inputs' device
+    if dist.get_backend(group) != "gloo":
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    mine = torch.tensor(rows, dtype=torch.int64, device=device).flatten()
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     for other, theirs in enumerate(gathered):
-        if not torch.equal(theirs, mine):
+        if not torch.equal(theirs.cpu(), mine.cpu()):
             raise ContextParallelError(
                 f"{what}: ranks disagree on the inputs' shapes/dtypes/requires_grad: rank {rank} has "
                 f"{_describe(mine, width)}, rank {other} has {_describe(theirs, width)}; every rank "
@@ -124,7 +127,7 @@ _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 def _describe(row: torch.Tensor, width: int) -> str:
     parts = []
-    for entry in row.view(-1, width + 3).tolist():
+    for entry in row.cpu().view(-1, width + 3).tolist():
         if entry[0] < 0:
             parts.append("None")
         else:

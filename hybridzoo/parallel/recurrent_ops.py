@@ -7,7 +7,8 @@ rank), plus ``group`` (None = the world) and ``method`` (``"scan"``: log2 P roun
 They are built only on the kernels' ``initial_state`` / ``final_state`` and their gradients, so
 every backend inherits them (``backend=`` is passed through):
 
-1. the kernel runs on the local slice from a zero state, with autograd: ``(o_loc, S_loc)``;
+1. the kernel runs on the local slice from a zero state, with autograd: ``(o_loc, S_loc)`` (the
+   delta rule starts from ``[I | 0]`` instead, see :func:`chunk_delta_rule`);
 2. the slice's transition ``A`` (total decay, or the delta rule's ``K x K`` product) and
    ``S_loc`` go through :func:`~hybridzoo.parallel.rank_scan.pass_states`: ``S_in``;
 3. ``o = o_loc + correction(S_in)`` (the inter-chunk term of ``S_in``) and
@@ -18,8 +19,11 @@ pass the same tensor or None) and its gradient arrives there. ``final_state`` on
 state after rank ``p``'s slice (on the last rank: after the whole sequence).
 
 Per call and rank the extra work is the correction (one ``[T, K] x [K, V]`` product per head for
-linear attention and the delta rule, ``T·D·N`` multiply-adds for Mamba-1); the extra memory is
-``A`` and ``S_in``; what is sent is counted by :func:`state_bytes_per_call`.
+linear attention and the delta rule, ``T·D·N`` multiply-adds for Mamba-1) and, for the delta rule,
+``K`` extra value columns in its one kernel pass; the extra memory is ``A``, ``S_in`` and the
+correction's operands (Mamba-1's decays ``[B, T, Dm, N]`` are formed 64 tokens at a time and
+recomputed in the backward, so at most ``[B, 64, Dm, N]`` is held); what is sent is counted by
+:func:`state_bytes_per_call`.
 """
 
 from __future__ import annotations
@@ -27,10 +31,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hybridzoo import kernels
 from hybridzoo.parallel.comm import (ContextParallelError, Shift, check_same_shapes, rank_and_size)
 from hybridzoo.parallel.rank_scan import pass_states, scan_bytes
+
+
+#: tokens per block of Mamba-1's correction (its decays ``[B, block, Dm, N]`` are formed per block)
+SSM_CORRECTION_BLOCK = 64
 
 
 def _enter(group, what: str, tensors, check: bool) -> int:
@@ -133,7 +142,6 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     y_loc, h_loc = kernels.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                           initial_state=None, output_final_state=True, backend=backend)
     dtype = h_loc.dtype
-    batch, T, dm = u.shape
     dt = delta.to(dtype) + (0 if delta_bias is None else delta_bias.to(dtype))
     dt = F.softplus(dt) if delta_softplus else dt
     cum = dt.cumsum(1)                                                   # [B, T, Dm]
@@ -143,12 +151,21 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     C_ = C.to(dtype)
     if C_.dim() == 3:
         C_ = C_[:, :, None]                                              # [B, T, G, N]
-    C_d = C_.repeat_interleave(dm // C_.shape[2], dim=2)                 # [B, T, Dm, N]
-    corr = (C_d * torch.exp(cum[..., None] * A_) * h_in[:, None]).sum(-1)  # [B, T, Dm]
+    # in blocks of tokens, each recomputed in the backward: at most [B, block, Dm, N] held
+    block = SSM_CORRECTION_BLOCK
+    corr = torch.cat([checkpoint(_ssm_correction, c, cb, A_, h_in, use_reentrant=False)
+                      for c, cb in zip(cum.split(block, dim=1), C_.split(block, dim=1))], dim=1)
     if z is not None:
         corr = corr * F.silu(z.to(dtype))
     y = y_loc + corr.to(y_loc.dtype)
     return y, (a * h_in + h_loc if output_final_state else None)
+
+
+def _ssm_correction(cum, C, A, h_in):
+    """``Σ_n C_t[n] exp(A[:, n] cum_t) h_in[:, n]``: ``cum [B, t, Dm]``, ``C [B, t, G, N]``,
+    ``A [Dm, N]``, ``h_in [B, Dm, N]`` -> ``[B, t, Dm]``."""
+    C_d = C.repeat_interleave(A.shape[0] // C.shape[2], dim=2)           # [B, t, Dm, N]
+    return (C_d * torch.exp(cum[..., None] * A) * h_in[:, None]).sum(-1)
 
 
 def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_state=False,
