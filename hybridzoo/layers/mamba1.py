@@ -101,8 +101,8 @@ class Mamba1(Mixer):
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
+        self.reset_ssm_parameters()  # before out_proj: torch's RNG is drawn in mamba_ssm's order
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=config.bias)
-        self.reset_ssm_parameters()
         for module in (self.in_proj, self.conv1d, self.dt_proj, self.out_proj):
             if module.bias is not None:
                 module.bias._no_weight_decay = True

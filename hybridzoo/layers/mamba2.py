@@ -109,10 +109,10 @@ class Mamba2(Mixer):
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
         self.A_log = nn.Parameter(torch.empty(self.n_heads))
         self.D = nn.Parameter(torch.empty(self.n_heads))
+        self.reset_ssm_parameters()  # before out_proj: torch's RNG is drawn in mamba_ssm's order
         self.norm = GatedRMSNorm(self.d_inner, eps=config.norm_eps,
                                  group_size=self.d_inner // self.n_groups, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=config.bias)
-        self.reset_ssm_parameters()
         for module in (self.in_proj, self.conv1d, self.out_proj):
             if module.bias is not None:
                 module.bias._no_weight_decay = True

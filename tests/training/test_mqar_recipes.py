@@ -1,7 +1,9 @@
-"""The ``mqar-<kind>-<s|l>`` recipes and ``scripts/mqar_sweep.py``: every recipe loads and builds,
+"""The ``mqar-<kind>-<s|l>`` recipes and ``benchmarks/mqar.py``: every recipe loads and builds,
 its state size from the config equals the state the model really keeps, the two sizes of each kind
 are ordered; one recipe trains 3 steps through ``hybridzoo fit`` and ``hybridzoo eval`` reports
-its MQAR accuracy; the table and the plot of the sweep work on fake results."""
+its MQAR accuracy; the benchmark runs its CPU smoke setting (hybridzoo rows and the Llama
+reference; the rows that need CUDA are skipped with a reason) and its table and plot work on fake
+results."""
 
 from __future__ import annotations
 
@@ -12,17 +14,16 @@ import sys
 import pytest
 import torch
 
+from benchmarks import mqar as bench
 from hybridzoo import HybridConfig, HybridLM
 from hybridzoo.cli import main as cli_main
 from hybridzoo.layers.attention import KVState
 from hybridzoo.training.mqar import multiquery_ar
 from hybridzoo.zoo.recipes import load_recipe, load_recipe_config
-from tests.conftest import load_script
 
 KINDS = ("mamba1", "mamba2", "gla", "retnet", "gdn", "attn")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
-sweep = load_script("mqar_sweep")
 
 
 def measured_state_size(config: HybridConfig, seq_len: int) -> int:
@@ -44,10 +45,7 @@ def measured_state_size(config: HybridConfig, seq_len: int) -> int:
 
 
 def test_two_recipes_per_mixer_kind():
-    assert sweep.mqar_recipes() == [f"mqar-{kind}-{size}" for kind in KINDS for size in "sl"]
-    assert sweep.select_recipes("mqar-gla-*, mqar-attn-l") == ["mqar-gla-s", "mqar-gla-l", "mqar-attn-l"]
-    with pytest.raises(SystemExit, match="mqar-lstm"):
-        sweep.select_recipes("mqar-lstm-s")
+    assert bench.mqar_recipes() == [f"mqar-{kind}-{size}" for kind in KINDS for size in "sl"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -66,79 +64,128 @@ def test_recipes_load_build_and_have_ordered_state_sizes(kind):
         assert [block.kind for block in model.blocks] == [kind, kind]
         # the formula against the state the model really keeps, at two sequence lengths
         for seq_len in (12, 24):
-            assert sweep.state_size(config, seq_len) == measured_state_size(config, seq_len), (name, seq_len)
-        sizes[size] = [sweep.state_size(config, t) for t in (64, data["seq_len"], 512)]
+            assert bench.state_size(config, seq_len) == measured_state_size(config, seq_len), (name, seq_len)
+        sizes[size] = [bench.state_size(config, t) for t in (64, data["seq_len"], 512)]
         assert all(isinstance(s, int) and s > 0 for s in sizes[size])
     assert all(small < large for small, large in zip(sizes["s"], sizes["l"])), sizes
 
 
 def test_state_size_formulas_on_hand_made_configs():
     config = HybridConfig(d_model=32, n_layers=1, layers="mamba2", mamba2={"d_state": 4, "head_dim": 16})
-    assert sweep.state_size(config, 100) == (64 // 16) * 4 * 16
+    assert bench.state_size(config, 100) == (64 // 16) * 4 * 16
     config = HybridConfig(d_model=32, n_layers=1, layers="attn", attn={"n_heads": 4, "n_kv_heads": 2, "window": 5})
-    assert sweep.state_size(config, 3) == 2 * 3 * 2 * 8 and sweep.state_size(config, 100) == 2 * 5 * 2 * 8
+    assert bench.state_size(config, 3) == 2 * 3 * 2 * 8 and bench.state_size(config, 100) == 2 * 5 * 2 * 8
     mixed = HybridConfig(d_model=32, n_layers=2, layers="gdn attn")
     with pytest.raises(ValueError, match="kind="):
-        sweep.state_size(mixed, 10)
+        bench.state_size(mixed, 10)
     gdn = mixed.gdn
-    assert sweep.state_size(mixed, 10, kind="gdn") == gdn.num_v_heads * gdn.head_k_dim * gdn.head_v_dim
+    assert bench.state_size(mixed, 10, kind="gdn") == gdn.num_v_heads * gdn.head_k_dim * gdn.head_v_dim
 
 
 def test_a_recipe_trains_three_steps_and_eval_reports_its_accuracy(tmp_path, capsys):
-    run = {"setting": "tiny", "device": "cpu", "steps": 3, "seq_len": 16, "num_pairs": 2, "vocab_size": 32,
-           "batch_size": 4, "num_train": None, "num_val": 8, "warmup_steps": 1, "lr": 1e-2, "seed": 0,
-           "chunk_size": 8, "max_minutes": None}
-    row = sweep.train_and_evaluate("mqar-gdn-s", run, tmp_path)
+    export = tmp_path / "export"  # the ExportCallback's default place: <default_root_dir>/export
+    args = ["fit", "--config", "mqar-gdn-s", "--data.init_args.vocab_size", "32", "--data.init_args.seq_len", "16",
+            "--data.init_args.num_pairs", "2", "--data.init_args.batch_size", "4", "--data.init_args.num_train", "12",
+            "--data.init_args.num_val", "8", "--model.warmup_steps", "1", "--model.learning_rate", "1e-2",
+            "--model.config.gdn.chunk_size", "8", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.accelerator", "cpu",
+            "--trainer.devices", "1",
+            "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.enable_checkpointing", "false", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    assert cli_main(args) == 0
+    assert HybridLM.from_pretrained(export).config.gdn.chunk_size == 8
     capsys.readouterr()
-    assert row["status"] == "ok", row.get("error")
-    assert row["steps"] == 3 and row["state_size"] == 1024
-    assert row["fit_args"][row["fit_args"].index("--model.config.gdn.chunk_size") + 1] == "8"
-    assert HybridLM.from_pretrained(row["export"]).config.gdn.chunk_size == 8
-    assert 0.0 <= row["accuracy"] <= 1.0 and row["eval_answers"] == 8 * 2
-    # hybridzoo eval --json on the export reports the same accuracy ...
-    assert cli_main(["eval", row["export"], "--json"]) == 0
+    # hybridzoo eval --json on the export reports the MQAR accuracy ...
+    assert cli_main(["eval", str(export), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["mqar_accuracy"] == row["accuracy"]
     # ... which is the argmax recall over the held-out examples (MQARDataModule: seed 2 * 0 + 1)
-    model = HybridLM.from_pretrained(row["export"])
+    model = HybridLM.from_pretrained(export)
     input_ids, labels = multiquery_ar(8, 16, 32, 2, seed=1)
     with torch.no_grad():
         logits, _ = model(input_ids)
     answers = labels[:, 1:] != -100
     correct = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & answers
-    assert row["accuracy"] == pytest.approx(int(correct.sum()) / int(answers.sum()), abs=0)
+    assert result["tokens"] == 16
+    assert result["mqar_accuracy"] == pytest.approx(int(correct.sum()) / int(answers.sum()), abs=0)
+
+
+def test_benchmark_cpu_smoke(tmp_path, capsys):
+    """hybridzoo's gdn-s and attn-s beside the Llama reference, 12 steps each; fla's GDN needs CUDA
+    and is skipped with the reason; a second call finds every run done and only re-renders."""
+    argv = ["--setting", "cpu-smoke", "--kinds", "gdn,attn", "--sizes", "s", "--seeds", "0", "--lrs", "3e-3",
+            "--device", "cpu", "--out-dir", str(tmp_path), "--name", "smoke"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "skipped: mqar-gdn-s reference: fla GatedDeltaNet needs CUDA" in out
+    results = json.loads((tmp_path / "smoke.json").read_text())
+    runs = {(r["recipe"], r["impl"]): r for r in results["runs"]}
+    assert set(runs) == {("mqar-gdn-s", "hybridzoo"), ("mqar-attn-s", "hybridzoo"), ("mqar-attn-s", "reference")}
+    for row in runs.values():
+        assert row["status"] == "ok", row.get("error")
+        assert [p["step"] for p in row["curve"]] == [6, 12] and 0 <= row["accuracy"] <= 1
+    assert runs[("mqar-attn-s", "hybridzoo")]["parameters"] == runs[("mqar-attn-s", "reference")]["parameters"]
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| mqar-attn-s | 1,024 |" in table and "transformers LlamaAttention" in table
+    assert bench.main(argv) == 0 and "0 runs to do" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", ["mqar-attn-s", "mqar-attn-l"])
+def test_benchmark_llama_reference_starts_equal_and_computes_the_same(recipe):
+    """The reference model of a seed holds transformers' LlamaAttention with hybridzoo's initial
+    weights (the RNG is drawn at the same place, in the same way), and gives the same logits:
+    sliding window (-s) and full attention (-l)."""
+    spec = bench.SETTINGS["cpu-smoke"]
+    ours, _ = bench.build_model(recipe, "hybridzoo", spec, seed=1)
+    ref, _ = bench.build_model(recipe, "reference", spec, seed=1)
+    theirs = {name.replace("mixer.layer.", "mixer."): value for name, value in ref.state_dict().items()}
+    assert theirs.keys() == ours.state_dict().keys()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(value, theirs[name]), name
+    ids, _ = multiquery_ar(2, spec["seq_len"], spec["vocab_size"], spec["num_pairs"], seed=0)
+    with torch.no_grad():
+        expected, got = ours(ids)[0], ref(ids)[0]
+    assert (got - expected).abs().max() < 1e-5 * expected.abs().max()
 
 
 def fake_results() -> dict:
-    runs = []
+    rows = []
     for i, kind in enumerate(KINDS):
         for size, state in (("s", 1024), ("l", 8192)):
-            runs.append({"recipe": f"mqar-{kind}-{size}", "kind": kind, "size": size, "setting": "cpu",
-                         "state_size": state, "parameters": 120_000 + i, "steps": 300, "fit_s": 90.0,
-                         "accuracy": 0.1 * i + (0.2 if size == "l" else 0.0), "loss": 3.5, "status": "ok"})
-            runs.append({"recipe": f"mqar-{kind}-{size}", "kind": kind, "size": size, "setting": "gpu",
-                         "state_size": state * 4, "parameters": 650_000, "status": "not run"})
-    settings = {"cpu": {"seq_len": 64, "num_pairs": 4, "vocab_size": 256, "batch_size": 32, "steps": 300,
-                        "device": "cpu", "max_minutes": 1.6},
-                "gpu": {"seq_len": 256, "num_pairs": 16, "vocab_size": 8192, "steps": 4000, "device": "cuda"}}
-    return {"date": "2026-11-30", "settings": settings, "runs": runs, "notes": ["a note"],
-            "meta": {"commit": "abc", "torch": "x", "lightning": "y"}}
+            for impl in bench.IMPLS:
+                for lr in (1e-3, 3e-3):
+                    for seed in range(3):
+                        rows.append({"setting": "gpu", "recipe": f"mqar-{kind}-{size}", "kind": kind, "size": size,
+                                     "impl": impl, "lr": lr, "seed": seed, "state_size": state, "parameters": 1000,
+                                     "steps": 100 * (seed + 1), "status": "ok",
+                                     "accuracy": min(1.0, 0.1 * i + seed * 0.01 + (0.2 if lr == 3e-3 else 0.0))})
+    settings = {"gpu": {**bench.SETTINGS["gpu"], "lrs": [1e-3, 3e-3], "seeds": [0, 1, 2]}}
+    return {"date": "2026-12-01", "settings": settings, "runs": rows, "summary": bench.summarize(rows),
+            "notes": ["a note"], "meta": {"commit": "abc", "torch": "x"}}
+
+
+def test_summary_takes_the_best_learning_rate_median():
+    summary = fake_results()["summary"]
+    assert len(summary) == 24
+    row = next(s for s in summary if s["recipe"] == "mqar-retnet-l" and s["impl"] == "reference")
+    assert row["best_lr"] == 3e-3 and row["seeds"] == [0, 1, 2]
+    assert row["median_accuracy"] == pytest.approx(0.3 + 0.01 + 0.2)
+    assert row["min_accuracy"] == pytest.approx(0.5) and row["median_steps"] == 200
 
 
 def test_results_table_on_fake_results():
-    table = sweep.results_table(fake_results())
+    table = bench.results_table(fake_results())
     lines = table.splitlines()
-    assert "## setting `cpu`" in lines and "## setting `gpu`" in lines and "- a note" in lines
+    assert "## setting `gpu`" in lines and "- a note" in lines
     row = next(line for line in lines if line.startswith("| mqar-retnet-l |"))
-    assert row.split("|")[1:-1] == [" mqar-retnet-l ", " retnet ", " 8,192 ", " 120,003 ", " 300 ", " 90 ",
-                                    " 0.500 ", " 3.500 ", " ok "]
-    gpu_rows = [line for line in lines[lines.index("## setting `gpu`"):] if line.startswith("| mqar-")]
-    assert len(gpu_rows) == 12 and all(line.endswith("| not run |") for line in gpu_rows)
+    assert row.split("|")[1:-1] == [" mqar-retnet-l ", " 8,192 ", " 0.510 (0.500-0.520) ", " 0.003 ",
+                                    " fla MultiScaleRetention ", " 0.510 (0.500-0.520) ", " 0.003 "]
+    assert len([line for line in lines if line.startswith("| mqar-")]) == 12
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install matplotlib)")
 def test_plot_on_fake_results(tmp_path):
-    path = sweep.plot_results(fake_results(), tmp_path / "plot.png")
+    path = bench.plot_results(fake_results(), tmp_path / "plot.png")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
 
@@ -146,45 +193,4 @@ def test_plot_on_fake_results(tmp_path):
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        sweep.plot_results(fake_results(), tmp_path / "plot.png")
-
-
-def test_not_run_rows_and_render_only(tmp_path, capsys):
-    out = tmp_path / "results"
-    assert sweep.main(["--setting", "gpu", "--not-run", "--out-dir", str(out), "--name", "plan"]) == 0
-    results = json.loads((out / "plan.json").read_text())
-    assert results["settings"]["gpu"]["status"] == "not run"
-    assert [r["recipe"] for r in results["runs"]] == sweep.mqar_recipes()
-    for row in results["runs"]:
-        assert row["status"] == "not run" and "accuracy" not in row
-        args = row["fit_args"]
-        assert args[:3] == ["fit", "--config", row["recipe"]]
-        assert args[args.index("--trainer.accelerator") + 1] == "gpu"
-        assert args[args.index("--data.init_args.seq_len") + 1] == "256"
-    attn_l = next(r for r in results["runs"] if r["recipe"] == "mqar-attn-l")
-    assert attn_l["state_size"] == 2 * 256 * 64  # full attention at T = 256
-    assert sweep.main(["--render-only", "--out-dir", str(out), "--name", "plan", "--note", "later"]) == 0
-    assert "- later" in (out / "plan.md").read_text()
-    capsys.readouterr()
-
-
-def test_merge_folds_partial_sweeps(tmp_path, capsys):
-    """--merge: two partial GPU sweeps (run side by side) replace the planned rows of the target;
-    the other settings' rows stay; a later file wins for the same recipe."""
-    out = tmp_path / "results"
-    assert sweep.main(["--setting", "gpu", "--not-run", "--out-dir", str(out), "--name", "all"]) == 0
-    base = fake_results()
-    parts = []
-    for i, recipes in enumerate((["mqar-gla-s", "mqar-gdn-l"], ["mqar-gdn-l"])):
-        runs = [dict(next(r for r in base["runs"] if r["recipe"] == name), setting="gpu", status="ok",
-                     accuracy=0.25 * (i + 1)) for name in recipes]
-        path = tmp_path / f"part{i}.json"
-        path.write_text(json.dumps({**base, "runs": runs, "settings": {"gpu": {"steps": 100 + i}}}))
-        parts.append(str(path))
-    assert sweep.main(["--merge", *parts, "--out-dir", str(out), "--name", "all"]) == 0
-    merged = json.loads((out / "all.json").read_text())
-    rows = {r["recipe"]: r for r in merged["runs"] if r["setting"] == "gpu"}
-    assert len(rows) == 12 and rows["mqar-gla-s"]["accuracy"] == 0.25 and rows["mqar-gdn-l"]["accuracy"] == 0.5
-    assert rows["mqar-attn-s"]["status"] == "not run" and merged["settings"]["gpu"]["steps"] == 101
-    assert "| mqar-gdn-l |" in (out / "all.md").read_text()
-    capsys.readouterr()
+        bench.plot_results(fake_results(), tmp_path / "plot.png")

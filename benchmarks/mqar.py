@@ -1,0 +1,594 @@
+"""MQAR side by side: every hybridzoo mixer and an independent implementation of the same layer.
+
+Multi-query associative recall (Zoology, Arora et al. 2023; :mod:`hybridzoo.training.mqar`). For
+each mixer kind and state size (the ``mqar-<kind>-<s|l>`` recipes), two models are trained in the
+same plain loop, on the same data, with the same budget: the recipe's ``HybridLM``, and the same
+2-block model whose mixers are the reference layer of that kind:
+
+======== =================================================================
+mixer    reference layer
+======== =================================================================
+gdn      fla ``GatedDeltaNet``          (needs CUDA: fla's Triton kernels)
+gla      fla ``GatedLinearAttention``   (needs CUDA)
+retnet   fla ``MultiScaleRetention``    (needs CUDA)
+mamba1   mamba_ssm ``Mamba``            (needs CUDA and a mamba_ssm build)
+mamba2   mamba_ssm ``Mamba2``           (needs CUDA and a mamba_ssm build)
+attn     transformers ``LlamaAttention`` (SDPA, a window mask for sliding windows; CPU too)
+======== =================================================================
+
+Embedding, norms, MLPs and head are hybridzoo's in both models, built from the same seed; each
+reference layer is built where the block builds its mixer and keeps the initialisation its
+constructor gives it (Llama's projections get transformers' ``normal(0, 0.02)``, which
+``LlamaPreTrainedModel`` would apply). hybridzoo's GatedDeltaNet, Attention, Mamba1 and Mamba2 draw
+torch's RNG as those layers do, so under one seed both models start from the same weights (a
+paired comparison); hybridzoo's GLA and RetNet use fla's model init (``normal(0, 0.02)``) where
+fla's bare layers keep PyTorch's default. Zoology's protocol: every learning rate of ``--lrs`` (default 1e-3, 3e-3, 1e-2) and
+every seed of ``--seeds`` (at least 3); a run stops at ``--max-steps`` or when the held-out
+accuracy has not risen for ``--patience`` evaluations (or reached 0.999). A row reports the best
+learning rate's median accuracy over the seeds (the best accuracy of each run).
+
+    python -m benchmarks.mqar --setting gpu --workers 16            # T 256, 16 pairs, both sizes
+    python -m benchmarks.mqar --setting gpu-long --workers 16       # T 512, 64 pairs
+    python -m benchmarks.mqar --setting cpu-smoke                   # seconds; hybridzoo + Llama rows
+    python -m benchmarks.mqar --setting gpu --kinds gdn,attn --impls hybridzoo --seeds 0,1,2
+    python -m benchmarks.mqar --render-only --name 2026-12-01-mqar  # table and plot again
+
+These models are tiny and launch-bound: ``--workers`` processes share the GPUs (job ``i`` runs on
+GPU ``i % device_count``). Each finished run is written to ``<out-dir>/<name>-runs/<run>.json``
+at once, and runs already there are skipped, so an interrupted sweep resumes. Keep Triton's
+cache (``TRITON_CACHE_DIR``) between invocations: fla's autotuning alone takes minutes. Outputs:
+``<name>.json`` (settings, metadata, every run with its per-step curve), ``<name>.md`` (the table)
+and ``<name>.png`` (median accuracy against state size, per mixer, hybridzoo solid and reference
+dashed; needs matplotlib).
+
+Rows that need CUDA are skipped on a machine without it (with a line saying so), as are
+mamba_ssm rows without a mamba_ssm build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("mamba1", "mamba2", "gla", "retnet", "gdn", "attn")
+IMPLS = ("hybridzoo", "reference")
+REFERENCE_NAMES = {"gdn": "fla GatedDeltaNet", "gla": "fla GatedLinearAttention",
+                   "retnet": "fla MultiScaleRetention", "mamba1": "mamba_ssm Mamba",
+                   "mamba2": "mamba_ssm Mamba2", "attn": "transformers LlamaAttention (sdpa)"}
+NEEDS_CUDA = {"gdn", "gla", "retnet", "mamba1", "mamba2"}  # reference layers without a CPU path
+
+# Zoology's MQAR settings (vocab 8192, 100k training examples, power_a 0.01) at two lengths, and a
+# CPU smoke setting that checks the machinery in seconds.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "gpu": dict(seq_len=256, num_pairs=16, vocab_size=8192, batch_size=64, num_train=100_000, num_val=1000,
+                max_steps=8000, warmup_steps=100, eval_every=250, patience=4),
+    "gpu-long": dict(seq_len=512, num_pairs=64, vocab_size=8192, batch_size=64, num_train=100_000, num_val=1000,
+                     max_steps=16000, warmup_steps=200, eval_every=500, patience=4),
+    "cpu-smoke": dict(seq_len=32, num_pairs=4, vocab_size=64, batch_size=8, num_train=2000, num_val=64,
+                      max_steps=12, warmup_steps=2, eval_every=6, patience=4, chunk_size=16),
+}
+CHUNKED = ("mamba2", "gla", "retnet", "gdn")
+WEIGHT_DECAY, BETAS, MIN_LR_RATIO, CLIP = 0.1, (0.9, 0.95), 0.1, 1.0
+
+
+# ---- state size --------------------------------------------------------------------------------
+def state_size(config, seq_len: int, kind: str | None = None) -> int:
+    """Floats of state per sequence in one ``kind`` layer of ``config`` (a ``HybridConfig``).
+
+    ``kind`` defaults to the single mixer kind of the config's layer pattern. mamba1
+    ``d_inner * N``; mamba2 ``H * N * P``; gla / retnet / gdn ``H * K * V``; attention
+    ``2 * min(window, T) * Hk * D`` (full attention: ``2 * T * Hk * D``), the keys and values the
+    query at position ``T - 1`` reads. Short-convolution tails are not counted.
+    """
+    if kind is None:
+        kinds = set(config.pattern)
+        if len(kinds) != 1:
+            raise ValueError(f"state_size: the config mixes {sorted(kinds)}; pass kind=")
+        (kind,) = kinds
+    d_model = config.d_model
+    if kind == "mamba1":
+        c = config.mamba1
+        return c.expand * d_model * c.d_state
+    if kind == "mamba2":
+        c = config.mamba2
+        return (c.expand * d_model // c.head_dim) * c.d_state * c.head_dim
+    if kind in ("gla", "retnet"):
+        c = getattr(config, kind)
+        key_dim, value_dim = round(c.expand_k * d_model), round(c.expand_v * d_model)
+        return c.num_heads * (key_dim // c.num_heads) * (value_dim // c.num_heads)
+    if kind == "gdn":
+        c = config.gdn
+        return c.num_v_heads * c.head_k_dim * c.head_v_dim
+    if kind == "attn":
+        c = config.attn
+        head_dim = c.head_dim or d_model // c.n_heads
+        positions = seq_len if c.window is None else min(c.window, seq_len)
+        return 2 * positions * (c.n_kv_heads or c.n_heads) * head_dim
+    raise ValueError(f"state_size: unknown mixer kind {kind!r}; choose from {list(KINDS)}")
+
+
+def mqar_recipes() -> list[str]:
+    """The packaged ``mqar-*`` recipe names, ordered by mixer kind then size (s before l)."""
+    from hybridzoo.zoo.recipes import recipe_names
+
+    names = [n for n in recipe_names() if n.startswith("mqar-")]
+    return sorted(names, key=lambda n: (KINDS.index(n.split("-")[1]) if n.split("-")[1] in KINDS else 99,
+                                        n.endswith("-l"), n))
+
+
+# ---- the reference layers ----------------------------------------------------------------------
+def reference_skip_reason(kind: str, device: str) -> str | None:
+    """Why the reference layer of ``kind`` cannot run here (None: it can)."""
+    import importlib.util
+
+    if kind in NEEDS_CUDA and not device.startswith("cuda"):
+        return f"{REFERENCE_NAMES[kind]} needs CUDA (no CPU path); skipped on {device}"
+    package = {"gdn": "fla", "gla": "fla", "retnet": "fla", "mamba1": "mamba_ssm", "mamba2": "mamba_ssm",
+               "attn": "transformers"}[kind]
+    if importlib.util.find_spec(package) is None:
+        return f"{REFERENCE_NAMES[kind]} needs the {package} package (pip install {package})"
+    return None
+
+
+class ReferenceMixer:
+    """Factory of an ``nn.Module`` that holds a reference layer in a hybridzoo ``Block``:
+    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], None)`` (no state: training only)."""
+
+    @staticmethod
+    def build(kind: str, config):
+        import torch
+        from torch import nn
+
+        d = config.d_model
+        c = getattr(config, kind)
+        if kind == "gdn":
+            from fla.layers import GatedDeltaNet
+
+            layer = GatedDeltaNet(hidden_size=d, head_dim=c.head_k_dim, num_heads=c.num_k_heads,
+                                  num_v_heads=c.num_v_heads, expand_v=c.head_v_dim / c.head_k_dim,
+                                  conv_size=c.conv_size, norm_eps=c.norm_eps)
+            call = lambda m, x: m(x)[0]  # noqa: E731
+        elif kind in ("gla", "retnet"):
+            from fla.layers import GatedLinearAttention, MultiScaleRetention
+
+            common = dict(mode="chunk", hidden_size=d, expand_k=c.expand_k, expand_v=c.expand_v,
+                          num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, use_short_conv=c.use_short_conv,
+                          conv_size=c.conv_size, conv_bias=c.conv_bias, use_output_gate=c.use_output_gate,
+                          norm_eps=c.norm_eps)
+            if kind == "gla":
+                layer = GatedLinearAttention(gate_logit_normalizer=c.gate_logit_normalizer,
+                                             gate_low_rank_dim=c.gate_low_rank_dim, clamp_min=c.clamp_min, **common)
+            else:
+                layer = MultiScaleRetention(**common)
+            call = lambda m, x: m(x)[0]  # noqa: E731
+        elif kind == "mamba1":
+            from mamba_ssm import Mamba
+
+            layer = Mamba(d_model=d, d_state=c.d_state, d_conv=c.d_conv, expand=c.expand, dt_rank=c.dt_rank,
+                          dt_min=c.dt_min, dt_max=c.dt_max, dt_init=c.dt_init, dt_scale=c.dt_scale,
+                          dt_init_floor=c.dt_init_floor, conv_bias=c.conv_bias, bias=c.bias)
+            call = lambda m, x: m(x)  # noqa: E731
+        elif kind == "mamba2":
+            from mamba_ssm import Mamba2
+
+            layer = Mamba2(d_model=d, d_state=c.d_state, d_conv=c.d_conv, expand=c.expand, headdim=c.head_dim,
+                           ngroups=c.n_groups, chunk_size=c.chunk_size, A_init_range=tuple(c.A_init_range),
+                           dt_min=c.dt_min, dt_max=c.dt_max, dt_init_floor=c.dt_init_floor,
+                           conv_bias=c.conv_bias, bias=c.bias)
+            call = lambda m, x: m(x)  # noqa: E731
+        elif kind == "attn":
+            from transformers import LlamaConfig
+            from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+            if c.qk_norm or c.output_gate:
+                raise ValueError("benchmarks.mqar: the Llama reference has no q/k norms and no output gate")
+            heads = c.n_heads
+            llama = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=c.n_kv_heads or heads,
+                                head_dim=c.head_dim or d // heads, rope_theta=c.rope_base, attention_bias=c.bias,
+                                max_position_embeddings=1 << 16, initializer_range=c.initializer_range)
+            llama._attn_implementation = "sdpa"
+            layer = LlamaAttention(llama, layer_idx=0)
+            for linear in layer.modules():
+                if isinstance(linear, nn.Linear):  # LlamaPreTrainedModel._init_weights
+                    nn.init.normal_(linear.weight, std=c.initializer_range)
+                    if linear.bias is not None:
+                        nn.init.zeros_(linear.bias)
+            rotary = LlamaRotaryEmbedding(llama)
+
+            def call(m, x):
+                positions = torch.arange(x.shape[1], device=x.device)
+                mask = None  # full causal attention: SDPA's is_causal
+                if c.window is not None:  # key j visible from query i iff 0 <= i - j < window
+                    gap = positions[:, None] - positions[None, :]
+                    mask = torch.zeros(gap.shape, dtype=x.dtype, device=x.device).masked_fill(
+                        (gap < 0) | (gap >= c.window), float("-inf"))[None, None]
+                return m(x, position_embeddings=rotary(x, positions[None]), attention_mask=mask)[0]
+        else:
+            raise ValueError(f"benchmarks.mqar: unknown mixer kind {kind!r}")
+
+        class Wrapped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = layer
+
+            def forward(self, x, state=None):
+                return call(self.layer, x), None
+
+        return Wrapped()
+
+
+# ---- one run -----------------------------------------------------------------------------------
+def build_model(recipe: str, impl: str, spec: dict[str, Any], seed: int):
+    """The recipe's 2-block model; ``impl == "reference"`` swaps each block's mixer for the
+    reference layer (built after the rest, from the same seed)."""
+    import torch
+
+    from hybridzoo import HybridLM
+    from hybridzoo.zoo.recipes import load_recipe_config
+
+    config = load_recipe_config(recipe, vocab_size=spec["vocab_size"])
+    kind = config.pattern[0]
+    if spec.get("chunk_size") and kind in CHUNKED:
+        getattr(config, kind).chunk_size = spec["chunk_size"]
+    torch.manual_seed(seed)
+    if impl != "reference":
+        return HybridLM(config), config
+    # the reference layer is built where the block builds its mixer, so torch's RNG stream is
+    # drawn at the same place: the layers that draw as their reference does (gdn, attn, mamba1,
+    # mamba2) then start from the same weights as the hybridzoo model of that seed
+    from hybridzoo.layers import MIXERS
+
+    saved = MIXERS[kind]
+    MIXERS[kind] = (lambda d_model, settings, backend="auto": ReferenceMixer.build(kind, config), saved[1])
+    try:
+        return HybridLM(config), config
+    finally:
+        MIXERS[kind] = saved
+
+
+def batches_of(spec: dict[str, Any], seed: int):
+    """(train ids, train labels, val ids, val labels), int64, from the seed (train ``2 seed``,
+    held-out ``2 seed + 1``, as hybridzoo's MQARDataModule)."""
+    from hybridzoo.training.mqar import multiquery_ar
+
+    args = (spec["seq_len"], spec["vocab_size"], spec["num_pairs"])
+    return (*multiquery_ar(spec["num_train"], *args, seed=2 * seed),
+            *multiquery_ar(spec["num_val"], *args, seed=2 * seed + 1))
+
+
+def evaluate(model, ids, labels, batch_size: int, device: str, autocast) -> tuple[float, float]:
+    """(accuracy, mean loss) over the answer positions of the held-out examples."""
+    import torch
+
+    from hybridzoo.training.mqar import mqar_accuracy
+    from hybridzoo.zoo.model import lm_loss, shift_labels
+
+    model.eval()
+    correct = total = 0
+    loss_sum = 0.0
+    with torch.no_grad(), autocast():
+        for start in range(0, ids.shape[0], batch_size):
+            x, y = ids[start:start + batch_size].to(device), labels[start:start + batch_size].to(device)
+            logits, _ = model(x)
+            c, n = mqar_accuracy(logits, y)
+            correct, total = correct + c, total + n
+            loss_sum += float(lm_loss(logits, shift_labels(y), reduction="sum"))
+    model.train()
+    return correct / total, loss_sum / total
+
+
+def train_run(job: dict[str, Any]) -> dict[str, Any]:
+    """Train one (recipe, impl, lr, seed) and return its row with the per-step curve."""
+    import contextlib
+
+    import torch
+
+    from hybridzoo.training.module import WarmupCosine, param_groups
+    from hybridzoo.zoo.model import lm_loss, shift_labels
+
+    spec, device = job["spec"], job["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.set_num_threads(job.get("threads", 1))
+    row = {k: job[k] for k in ("id", "setting", "recipe", "kind", "size", "impl", "lr", "seed")}
+    model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
+    model.to(device)
+    row["state_size"] = state_size(config, spec["seq_len"])
+    row["parameters"] = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=job["lr"], betas=BETAS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
+    cuda = device.startswith("cuda")
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
+    order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
+    batch, curve, best, since_best = spec["batch_size"], [], -1.0, 0
+    start, step, position = time.perf_counter(), 0, 0
+    while step < spec["max_steps"]:
+        if position + batch > order.numel():  # a new epoch: a new order
+            order, position = order[torch.randperm(order.numel())], 0
+        index = order[position:position + batch]
+        position += batch
+        x, y = train_ids[index].to(device), train_labels[index].to(device)
+        with autocast():
+            logits, _ = model(x)
+        loss = lm_loss(logits, shift_labels(y))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        if step % spec["eval_every"] == 0 or step == spec["max_steps"]:
+            accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
+            curve.append({"step": step, "train_loss": round(loss.item(), 5), "val_loss": round(val_loss, 5),
+                          "accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)})
+            if not math.isfinite(val_loss):
+                break
+            best, since_best = (accuracy, 0) if accuracy > best else (best, since_best + 1)
+            if best >= 0.999 or since_best >= spec["patience"]:
+                break
+    row.update(status="ok", steps=step, accuracy=max(p["accuracy"] for p in curve),
+               final_accuracy=curve[-1]["accuracy"], val_loss=curve[-1]["val_loss"],
+               seconds=round(time.perf_counter() - start, 1), curve=curve)
+    return row
+
+
+def _run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Run a job in a worker and write its row; a failure becomes a row with the error."""
+    path = Path(job["path"])
+    try:
+        row = train_run(job)
+    except Exception as error:  # one failed run must not lose the others
+        row = {k: job[k] for k in ("id", "setting", "recipe", "kind", "size", "impl", "lr", "seed")}
+        row.update(status="failed", error=f"{type(error).__name__}: {error}")
+    path.write_text(json.dumps(row) + "\n")
+    print(f"mqar: {row['id']}: {row['status']} accuracy {row.get('accuracy')} steps {row.get('steps')}", flush=True)
+    return row
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: Path
+         ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The jobs still to run (not in ``runs_dir``) and the lines saying which rows are skipped."""
+    jobs, skipped = [], []
+    gpus = max(1, __import__("torch").cuda.device_count()) if device.startswith("cuda") else 1
+    for recipe in mqar_recipes():
+        _, kind, size = recipe.split("-")
+        if kind not in args.kinds or size not in args.sizes:
+            continue
+        for impl in args.impls:
+            reason = reference_skip_reason(kind, device) if impl == "reference" else None
+            if reason:
+                skipped.append(f"{recipe} reference: {reason}")
+                continue
+            for lr in args.lrs:
+                for seed in args.seeds:
+                    run_id = f"{args.setting}-{recipe}-{impl}-lr{lr:g}-s{seed}"
+                    path = runs_dir / f"{run_id}.json"
+                    if path.is_file():
+                        continue
+                    dev = f"cuda:{len(jobs) % gpus}" if device.startswith("cuda") else device
+                    jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, kind=kind, size=size,
+                                     impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
+                                     threads=args.threads))
+    return jobs, skipped
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (setting, recipe, impl): the best learning rate by median accuracy over the
+    seeds, its median, min and max, and the seeds counted."""
+    groups: dict[tuple, dict[float, list[dict]]] = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            groups.setdefault((row["setting"], row["recipe"], row["impl"]), {}).setdefault(row["lr"], []).append(row)
+    out = []
+    for (setting, recipe, impl), by_lr in groups.items():
+        medians = {lr: statistics.median(r["accuracy"] for r in rs) for lr, rs in by_lr.items()}
+        lr = max(medians, key=lambda k: (medians[k], -k))
+        rs = by_lr[lr]
+        out.append(dict(setting=setting, recipe=recipe, kind=rs[0]["kind"], size=rs[0]["size"], impl=impl,
+                        state_size=rs[0]["state_size"], parameters=rs[0]["parameters"], best_lr=lr,
+                        median_accuracy=medians[lr], min_accuracy=min(r["accuracy"] for r in rs),
+                        max_accuracy=max(r["accuracy"] for r in rs), seeds=sorted(r["seed"] for r in rs),
+                        median_steps=statistics.median(r["steps"] for r in rs),
+                        medians_by_lr={f"{k:g}": v for k, v in sorted(medians.items())}))
+    order = {k: i for i, k in enumerate(KINDS)}
+    out.sort(key=lambda s: (s["setting"], order.get(s["kind"], 99), s["size"] == "l", s["impl"]))
+    return out
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """Markdown: per setting, one line per recipe with hybridzoo's and the reference's medians."""
+    lines = [f"# MQAR, hybridzoo beside reference layers ({results.get('date', '')})", ""]
+    meta = results.get("meta", {})
+    if meta:
+        lines += [f"commit `{meta.get('commit')}`{' (uncommitted changes)' if meta.get('dirty') else ''}, "
+                  f"torch {meta.get('torch')}", ""]
+    summary = results.get("summary", [])
+    for setting, spec in results.get("settings", {}).items():
+        lines += [f"## setting `{setting}`", "",
+                  f"T = {spec['seq_len']}, {spec['num_pairs']} pairs, vocab {spec['vocab_size']}, batch "
+                  f"{spec['batch_size']}, at most {spec['max_steps']} steps (stop when the held-out accuracy has "
+                  f"not risen for {spec['patience']} evaluations every {spec['eval_every']} steps), learning rates "
+                  f"{', '.join(f'{lr:g}' for lr in spec.get('lrs', []))}, seeds {spec.get('seeds')}; "
+                  f"device {spec.get('device_name', '?')}", "",
+                  "| recipe | state size | hybridzoo median (min-max) | lr | reference | reference median (min-max) | lr |",
+                  "|---|---:|---:|---:|---|---:|---:|"]
+        rows = [s for s in summary if s["setting"] == setting]
+        for recipe in dict.fromkeys(s["recipe"] for s in rows):
+            cell = {s["impl"]: s for s in rows if s["recipe"] == recipe}
+            hz, ref = cell.get("hybridzoo"), cell.get("reference")
+            fmt = lambda s: (f"{s['median_accuracy']:.3f} ({s['min_accuracy']:.3f}-{s['max_accuracy']:.3f})"  # noqa: E731
+                             if s else "-")
+            any_row = hz or ref
+            lines.append(f"| {recipe} | {any_row['state_size']:,} | {fmt(hz)} | {hz['best_lr'] if hz else '-'} | "
+                         f"{REFERENCE_NAMES.get(any_row['kind'], '?')} | {fmt(ref)} | {ref['best_lr'] if ref else '-'} |")
+        lines.append("")
+    for note in results.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict[str, Any], path: Path) -> Path:
+    """Median accuracy against state size, one panel per setting, per mixer a colour, hybridzoo
+    solid and the reference dashed. Needs matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError("the plot needs matplotlib: pip install matplotlib") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(results.get("settings", {}))
+    fig, axes = plt.subplots(1, max(1, len(settings)), figsize=(6.5 * max(1, len(settings)), 4.5), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        rows = [s for s in results.get("summary", []) if s["setting"] == setting]
+        for kind in KINDS:
+            for impl, style in (("hybridzoo", "-"), ("reference", "--")):
+                points = sorted((s["state_size"], s["median_accuracy"]) for s in rows
+                                if s["kind"] == kind and s["impl"] == impl)
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", color=f"C{KINDS.index(kind)}",
+                            label=f"{kind} ({impl})")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("state size (floats per sequence per layer)")
+        ax.set_ylabel("MQAR accuracy (median over seeds, best lr)")
+        ax.set_title(setting)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(results_table(results))
+    try:
+        paths.append(plot_results(results, out_dir / f"{name}.png"))
+    except ImportError as error:
+        print(f"mqar: no plot: {error}", file=sys.stderr)
+    return paths
+
+
+def collect(results: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
+    """Fold every run file of ``runs_dir`` into ``results`` (runs and summary)."""
+    rows = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))] if runs_dir.is_dir() else []
+    results["runs"] = rows
+    results["summary"] = summarize(rows)
+    return results
+
+
+def metadata() -> dict[str, Any]:
+    import platform
+
+    from hybridzoo.utils import run_metadata
+
+    run = run_metadata(("triton", "fla", "mamba_ssm", "transformers"))
+    return {"commit": run["commit"], "dirty": run["dirty"], "torch": run["versions"]["torch"],
+            "versions": run["versions"], "platform": platform.platform(), "argv": sys.argv[1:]}
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    floats = lambda s: [float(v) for v in s.split(",") if v]  # noqa: E731
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    names = lambda s: [v.strip() for v in s.split(",") if v.strip()]  # noqa: E731
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mqar", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="cpu-smoke")
+    parser.add_argument("--kinds", type=names, default=list(KINDS), help="comma separated mixer kinds")
+    parser.add_argument("--sizes", type=names, default=["s", "l"], help="s, l or s,l")
+    parser.add_argument("--impls", type=names, default=list(IMPLS), help="hybridzoo, reference or both")
+    parser.add_argument("--lrs", type=floats, default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    parser.add_argument("--max-steps", dest="max_steps", type=int, default=None)
+    parser.add_argument("--eval-every", dest="eval_every", type=int, default=None)
+    parser.add_argument("--patience", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--workers", type=int, default=1, help="processes side by side (spread over the GPUs)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    parser.add_argument("--out-dir", dest="out_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="file stem (default: <today>-mqar)")
+    parser.add_argument("--render-only", dest="render_only", action="store_true",
+                        help="rewrite the JSON, table and plot from the run files")
+    parser.add_argument("--note", action="append", default=[])
+    args = parser.parse_args(argv)
+    for what, values, allowed in (("--kinds", args.kinds, KINDS), ("--sizes", args.sizes, ("s", "l")),
+                                  ("--impls", args.impls, IMPLS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            parser.error(f"{what}: {bad} not among {list(allowed)}")
+    if len(args.seeds) < 3 and args.setting != "cpu-smoke":
+        print("mqar: fewer than 3 seeds: the medians are not Zoology's protocol", file=sys.stderr)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = args.name or f"{datetime.date.today().isoformat()}-mqar"
+    runs_dir = args.out_dir / f"{name}-runs"
+    json_path = args.out_dir / f"{name}.json"
+    results = json.loads(json_path.read_text()) if json_path.is_file() else {
+        "date": datetime.date.today().isoformat(), "what": "MQAR: hybridzoo mixers beside reference layers",
+        "settings": {}, "notes": []}
+    results["notes"] = list(dict.fromkeys(results.get("notes", []) + args.note))
+    if args.render_only:
+        print("\n".join(str(p) for p in write_outputs(collect(results, runs_dir), args.out_dir, name)))
+        return 0
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("mqar: --device cuda but no CUDA device is available (use --device cpu)")
+    spec = dict(SETTINGS[args.setting])
+    for key in ("max_steps", "eval_every", "patience"):
+        if getattr(args, key) is not None:
+            spec[key] = getattr(args, key)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    jobs, skipped = plan(args, spec, device, runs_dir)
+    for line in skipped:
+        print(f"mqar: skipped: {line}", flush=True)
+    results.setdefault("meta", metadata())
+    results["settings"][args.setting] = {**spec, "lrs": args.lrs, "seeds": args.seeds, "device": device,
+                                         "device_name": device_name(device), "skipped": skipped,
+                                         "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "clip": CLIP,
+                                         "min_lr_ratio": MIN_LR_RATIO, "argv": sys.argv[1:] if argv is None else argv}
+    print(f"mqar: {len(jobs)} runs to do on {device} with {args.workers} worker(s)", flush=True)
+    if args.workers <= 1:
+        for job in jobs:
+            _run_job(job)
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+            for _ in pool.imap_unordered(_run_job, jobs):
+                pass
+    print("\n".join(str(p) for p in write_outputs(collect(results, runs_dir), args.out_dir, name)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
