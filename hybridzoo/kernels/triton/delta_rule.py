@@ -211,7 +211,10 @@ def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: 
     ``[B, T, HEADS, WIDTH]`` tensor, as ``(pointers, mask)`` for :func:`_tile` and :func:`_put`
     (the mask: rows before ``T``, columns before ``WIDTH``). The chunk's first row is one int64
     scalar; the tile's offsets from it are int32 (at most ``C · HEADS · WIDTH``). These pointer
-    tiles replaced block pointers (``tl.make_block_ptr``), which Triton 3.9 removed."""
+    tiles replaced block pointers (``tl.make_block_ptr``), which Triton 3.9 removed; they cost the
+    sequential state kernels registers (sm_90, K 128, V 256, bf16, Triton 3.6: spill stores 232 ->
+    768 B per thread in ``_state_fwd_kernel``, 552 -> 956 B in ``_state_bwd_kernel``;
+    benchmarks/results/2026-12-01-triton-pointer-tiles-ptx-fingerprints.json)."""
     t0 = i_n * C
     base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
     r, c = tl.arange(0, C), tl.arange(0, BW)
