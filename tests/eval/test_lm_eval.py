@@ -23,7 +23,7 @@ from tests.eval.tiny_export import (REPO, TASKS, full_forward_logprobs, greedy_t
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed")
 
 TOL = 1e-10
-GENERATE_UNTIL = ["\n", "."]  # hybridzoo_tiny_generate.yaml
+GENERATE_UNTIL = ["\n", ".", "h"]  # hybridzoo_tiny_generate.yaml
 MAX_GEN_TOKS = 16
 
 
@@ -72,6 +72,7 @@ def _expected_generation(model, context: str, until, max_tokens: int) -> str:
 def check_samples(samples: dict[str, list[dict]], model) -> None:
     """Each logged request's response against the full-forward reference."""
     assert samples, "no samples were logged"
+    cuts = 0
     for task, rows in samples.items():
         assert rows, task
         for row in rows:
@@ -96,6 +97,8 @@ def check_samples(samples: dict[str, list[dict]], model) -> None:
                 else:
                     context = arguments[0]
                     assert response[0] == _expected_generation(model, context, GENERATE_UNTIL, MAX_GEN_TOKS)
+                    cuts += response[0] != _expected_generation(model, context, [], MAX_GEN_TOKS)
+    assert "hybridzoo_tiny_generate" not in samples or cuts > 0, "no generation was cut by a stop string"
 
 
 def test_simple_evaluate_matches_full_forwards(export, reference, offline):
