@@ -2,6 +2,7 @@
 
     hybridzoo fit --config tiny-hybrid        train (LightningCLI; also validate, test)
     hybridzoo eval runs/tiny-hybrid/export    held-out loss, perplexity, bits per byte, tokens/s
+    hybridzoo eval DIR --tasks T1,T2          lm-evaluation-harness tasks (pip install 'hybridzoo[lm-eval]')
     hybridzoo generate DIR --prompt TEXT      sample a continuation
     hybridzoo recipes                         list the packaged recipes
     hybridzoo convert SRC OUT                 convert a Hugging Face / mamba_ssm checkpoint
@@ -29,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="hybridzoo: hybrid recurrent language models "
                                                  "(train, evaluate, generate, convert).",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:9]))
+                                     epilog="\n".join(__doc__.splitlines()[2:10]))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in LIGHTNING_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -44,6 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=None, help="override the training batch size")
     evaluate.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    harness = evaluate.add_argument_group(
+        "lm-evaluation-harness", "with --tasks, run lm_eval tasks instead of the held-out loss (needs the "
+        "lm-eval extra); --batch-size, --device and --json apply too")
+    harness.add_argument("--tasks", metavar="T1,T2", help="lm_eval task or group names, comma-separated")
+    harness.add_argument("--include-path", metavar="DIR", help="a folder of extra lm_eval task YAML files")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per task")
+    harness.add_argument("--limit", type=float, default=None,
+                         help="at most this many documents per task (a fraction if < 1)")
+    harness.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "float64"],
+                         help="parameter dtype (default: as saved)")
+    harness.add_argument("--output", metavar="FILE", help="write lm_eval's full results, samples included, as JSON")
 
     generate = sub.add_parser("generate", help="generate text from an exported checkpoint directory")
     generate.add_argument("directory", help="a checkpoint directory (model.safetensors + config.json)")
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         from hybridzoo.demo import main as demo_main
 
         return demo_main(seq_len=args.seq_len)
+    if args.command == "eval" and args.tasks is not None:
+        return _eval_tasks(args)
     if args.command == "eval":
         from hybridzoo.training.evaluate import eval_command
 
@@ -108,6 +122,21 @@ def _recipes() -> int:
                       f"{row['parameters']:,}")
     Console().print(table)
     return 0
+
+
+def _eval_tasks(args) -> int:
+    """``hybridzoo eval DIR --tasks ...``: lm-evaluation-harness (an optional package)."""
+    if args.data or args.max_batches is not None:
+        return user_error_exit("eval", ValueError("--data and --max-batches choose the held-out loss's data; "
+                                                  "with --tasks the tasks bring their own"))
+    try:
+        from hybridzoo.eval_harness import tasks_command
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "lm_eval":
+            raise
+        return user_error_exit("eval", ImportError("--tasks runs lm-evaluation-harness, which is not installed: "
+                                                   "pip install 'hybridzoo[lm-eval]' (or pip install lm-eval)"))
+    return tasks_command(args)
 
 
 def _convert(src: str, out: str) -> int:
