@@ -18,8 +18,8 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
 
 ``--fingerprint`` covers the kernels of the table and of ``--all`` and ``--spills``; line and debug
 information is left out of the hash, so a refactor whose kernels all keep their PTX (argument
-order, helper extraction, comments) is shown to change no launch on any GPU: session 9 aligned
-``_cols_block``'s arguments with ``_rows_block``'s this way, with no GPU run.
+order, helper extraction, comments) is shown to change no launch on any GPU (``_cols_block``'s arguments were aligned with
+``_rows_block``'s this way, with no GPU run).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ is appended to in place (see :class:`KVState` for when a copy is made instead). 
 backward adds the prefix's K/V gradients into one buffer (full attention only). That call runs
 through :func:`~hybridzoo.layers.chunk_attention.chunk_attention` (prefix and own keys in one
 Function, PyTorch's flash backward per block) where it applies, i.e. on the CPU and, for bf16/fp16,
-on CUDA (the default since session 7); otherwise through :func:`~hybridzoo.layers.prefix_attention.block_prefix_attention` merged
+on CUDA (the default); otherwise through :func:`~hybridzoo.layers.prefix_attention.block_prefix_attention` merged
 with the call's own causal attention.
 """
 

@@ -23,7 +23,7 @@ Where it runs: on the CPU for every float dtype (exact in float64: the SeCO test
 CUDA for bf16/fp16 with equal q and v head sizes <= 256, a multiple of 8, unless
 :data:`FLASH_ON_CUDA` is off (environment ``HYBRIDZOO_SECO_FLASH=0``); other CUDA calls (fp32,
 larger heads) take the path of :mod:`~hybridzoo.layers.prefix_attention`. The CUDA default since
-session 7, when it passed its GPU tests and, on one H200 (qwen35-0.8b, bf16, chunk 16384), made a
+it passed its GPU tests and, on one H200 (qwen35-0.8b, bf16, chunk 16384), made a
 SeCO step 131,072 tokens long 11.3 s where the Triton prefix backward took 16.5 s
 (``benchmarks/results/2026-11-30-seco-s7-qwen35-0.8b.json``).
 """

@@ -62,7 +62,7 @@ With ``defer_last=True`` (what Lightning's automatic optimization needs) nothing
 **Progress**: a step at 1M tokens takes minutes; ``progress(stage, done, total)`` is called with
 ``("stage 1", 0, total)`` as a step starts, then after each chunk of either stage
 (:class:`ProgressLog` writes a line at most every N seconds; the callback and
-``scripts/bench_seco.py`` use it). Nothing in it synchronizes the device.
+``benchmarks/seco.py`` use it). Nothing in it synchronizes the device.
 
 **Startup check**: :func:`check_chunked_forward` compares, on the actual model, the chunked
 forward with carried states against one full forward, block by block, and raises

@@ -323,11 +323,11 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # illegal memory access Triton 3.6 produced on an H200 in the linear-attention output kernel
 # ([64, 64] x [64, 32] dots; see launch.WARPS); an autotuning trial that faults would
 # kill the process, so such configs are not tried.
-# One candidate with two pipelining stages (session 7): a chunk's W, U and keys do not depend on
+# One candidate with two pipelining stages: a chunk's W, U and keys do not depend on
 # the carried state, so their loads can run a chunk ahead. Compiled for sm_90 at K = V = 128, bf16:
 # 49 / 58 KB of shared memory (forward / backward), 128 / 364 B of spills against 80 / 296 with one
 # stage (scripts/kernel_resources.py); at K = 256 it does not fit shared memory (bf16 287 KB,
-# float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (session 8, bf16, B2 T16384 H16
+# float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (bf16, B2 T16384 H16
 # K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
 # The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K > 64).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
@@ -338,11 +338,11 @@ STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
     """The narrowest value tile (``BV``) any delta-rule kernel takes with ``bk``-wide key tiles and
     inputs of ``dtype``: 32, but 64 for 16-bit inputs with key tiles of 128 or more (K > 64).
-    There, on an H200 with Triton 3.6 (session 8, ``K = V`` 128 and 256, bf16, one process per
+    There, on an H200 with Triton 3.6 (``K = V`` 128 and 256, bf16, one process per
     setting), 32-wide value tiles made the state backward fault (illegal memory access, K 128,
     4 warps) and the output kernel return wrong outputs (relative error 2.1 at K 256, in the
     block-pointer kernels and in the pointer-tile ones before them alike); every 64-wide setting
-    passed (session 7: the WY forward with 32-wide tiles faulted at K 256 too). float32 inputs at
+    passed (the WY forward with 32-wide tiles faulted at K 256 too). float32 inputs at
     K 256 passed with 32-wide tiles, their fixed launch."""
     return 64 if bk >= 128 and dtype.itemsize == 2 else 32
 
@@ -388,7 +388,7 @@ class _Config:
         # Tiles at least 32 wide on both head dims: with 16-wide key tiles (K = 16, the heads of
         # mqar-gdn-s) Triton 3.6 on an H200 left rows of W unwritten in bf16 and fp16 (NaN in a
         # poisoned buffer) and _bwd_wy_kernel made an illegal memory access; with 32-wide tiles
-        # (columns past K masked) both went away (scripts/probe_delta_small.py, session 6).
+        # (columns past K masked) both went away (benchmarks/results/2026-11-30-gpu-tests-h200.md).
         self.BK = max(32, triton.next_power_of_2(self.K))
         # Value tiles: up to 64 wide (32 above K = 128 for float32 inputs, whose state kernels hold
         # a [BK, BV] float32 state), never below value_tile_floor (64 for 16-bit inputs with key
@@ -413,7 +413,7 @@ class _Config:
         # they keep K = 128's launch (64-wide value tiles, launch.warps) even where the state
         # kernels take 32-wide ones (float32): at K = V = 256 in bf16, _wy_fwd_kernel with
         # [64, 64] x [64, 32] dots and 4 warps made an illegal memory access on an H200 with
-        # Triton 3.6 (session 7; fp32 at K = 256 and bf16 at K = 128 passed). Never narrower
+        # Triton 3.6 (fp32 at K = 256 and bf16 at K = 128 passed). Never narrower
         # than BV (value_tile_floor), whatever V; up to K = 128 this is BV itself.
         self.bvw = max(self.BV, min(64, max(32, triton.next_power_of_2(self.V))))
         self.warps_wy = self.warps if self.BK <= 128 else launch.warps(self.bkw, self.bvw)

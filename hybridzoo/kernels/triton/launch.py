@@ -18,7 +18,7 @@ POISON_OUTPUTS = False  # tests set this: every buffer starts as NaN, so an unwr
 # default of 4, ptxas spills up to 3.4 KB per thread in the linear-attention backward at
 # K = V = 128 in bf16; with 8 none spills more than 260 B (``scripts/kernel_resources.py``).
 # Narrower tiles keep 4: a Mamba-2 MQAR model (K = 64, V = 32: [64, 64] x [64, 32] dots) hit an
-# illegal memory access on an H200 with 8 warps (Triton 3.6; ``scripts/probe_warps.py``), and 4
+# illegal memory access on an H200 with 8 warps (Triton 3.6), and 4
 # is the setting every such shape was verified with.
 WARPS = 8
 

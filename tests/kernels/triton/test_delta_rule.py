@@ -256,7 +256,7 @@ def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
 def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypatch):
     """The GPU launch (interpreter off): with 16-bit inputs and key tiles of 128 or more (K > 64),
     every kernel's value tile, the WY kernels' included, is 64 wide and the state kernels'
-    autotuner never tries a 32-wide one (session 8 on an H200: 32-wide value tiles faulted in the
+    autotuner never tries a 32-wide one (on an H200 with Triton 3.6: 32-wide value tiles faulted in the
     state backward at K 128 and gave wrong outputs at K 256); float32 keeps 32-wide tiles above
     K 128, and narrower keys keep their tiles. Two-stage candidates are left out above K 128
     (shared memory)."""
