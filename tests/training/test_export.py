@@ -213,11 +213,12 @@ def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tm
     info = json.loads((target / "training.json").read_text())
     data = {"class_path": f"{__name__}._FakeData", "init_args": {"seq_len": 8, "paths": ["a.txt"]}}
     assert info == {"data": data, "global_step": 1, "val_history": [{"step": 1, "loss": 1.0}]}
-    export.data_config = {"class_path": "given.by.the.CLI"}  # the CLI's parsed section wins
+    export.data_config = {"class_path": "given.by.the.CLI", "init_args": {"paths": [Path("b.txt")]}}  # it wins
     # the same callback, new weights at the next checkpoint: rewritten
     trainer, module = _fake_run(tmp_path, second, 2)
     export.on_save_checkpoint(trainer, module, {})
-    assert json.loads((target / "training.json").read_text())["data"] == {"class_path": "given.by.the.CLI"}
+    assert json.loads((target / "training.json").read_text())["data"] == {
+        "class_path": "given.by.the.CLI", "init_args": {"paths": ["b.txt"]}}  # a Path written as text
     assert all(torch.equal(t, _weights_of(target)[n]) for n, t in second.state_dict().items())
     # fit ends at the step just exported: only training.json is rewritten (same weights file)
     inode = (target / "model.safetensors").stat().st_ino
@@ -229,6 +230,9 @@ def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tm
     trainer, module = _fake_run(tmp_path, first, 3)
     export.on_fit_end(trainer, module)
     assert all(torch.equal(t, _weights_of(target)[n]) for n, t in first.state_dict().items())
+    # a module without val_history (not a LanguageModel) exports an empty history
+    export.export(trainer, SimpleNamespace(model=first))
+    assert json.loads((target / "training.json").read_text())["val_history"] == []
     # other ranks and Lightning's sanity check write nothing
     before = {p.name: p.stat().st_ino for p in target.iterdir()}
     for change in ({"is_global_zero": False}, {"sanity_checking": True}):
