@@ -18,8 +18,6 @@ cd "$work"
 cat > setup.cfg <<'EOF'
 [mutmut]
 source_paths =
-    hybridzoo/
-only_mutate =
     hybridzoo/training/seco_engine.py
     hybridzoo/training/seco.py
     hybridzoo/training/callbacks.py
@@ -43,6 +41,9 @@ process_isolation = forkserver
 timeout_multiplier = 4.0
 timeout_constant = 30.0
 EOF
+# mutmut copies only source_paths into mutants/: the rest of the package is put there first
+mkdir -p mutants && cp -r hybridzoo mutants/
+rm mutants/hybridzoo/training/{seco_engine,seco,callbacks}.py mutants/hybridzoo/zoo/checkpoint.py
 # torch is not fork-safe once used: forkserver; one intra-op thread per worker
 export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
 S=hybridzoo.training.seco_engine

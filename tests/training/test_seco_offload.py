@@ -154,3 +154,16 @@ def test_the_keeper_slices_the_lm_head_of_a_hybrid_lm():
 
     other = seco_engine._Layers(LogitsOnly(model), T, 3, False, torch.device("cpu"))
     assert not other.hidden and isinstance(other.head, torch.nn.Identity)
+
+
+def test_the_refusal_states_the_sizes_in_gib(monkeypatch):
+    """3 GiB needed on a 4 GiB host (40% = 1.6 GiB): the message gives both, and the fix."""
+    monkeypatch.setattr(seco_engine, "offload_bytes", lambda *args: 3 * 2**30)
+    monkeypatch.setattr(seco_engine, "host_ram_bytes", lambda: 4 * 2**30)
+    with pytest.raises(SeCOOffloadError) as error:
+        seco_engine._check_offload(hybrid(9), 2, T, 6, torch.float64)
+    message = str(error.value)
+    assert "would pin 3.00 GiB of host memory" in message and "batch 2 x 23 tokens" in message
+    assert "more than 40% of this host's 4.0 GiB of RAM" in message and "kv_offload=False" in message
+    monkeypatch.setattr(seco_engine, "host_ram_bytes", lambda: 8 * 2**30)  # 40% = 3.2 GiB: accepted
+    seco_engine._check_offload(hybrid(9), 2, T, 6, torch.float64)
