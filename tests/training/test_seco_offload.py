@@ -167,3 +167,17 @@ def test_the_refusal_states_the_sizes_in_gib(monkeypatch):
     assert "more than 40% of this host's 4.0 GiB of RAM" in message and "kv_offload=False" in message
     monkeypatch.setattr(seco_engine, "host_ram_bytes", lambda: 8 * 2**30)  # 40% = 3.2 GiB: accepted
     seco_engine._check_offload(hybrid(9), 2, T, 6, torch.float64)
+
+
+def test_boundary_copies_go_to_the_host_device_a_fake_host_shows_it():
+    """A host that is not the compute device (the meta device stands in for it): with offload every
+    kept copy lands on the host; without, a copy stays where its source is."""
+    model = hybrid(9)
+    offloaded = seco_engine._Layers(model, T, 3, True, torch.device("cpu"))
+    offloaded.host = torch.device("meta")
+    kept = offloaded._copy(torch.randn(2, 3, dtype=torch.float64))
+    assert kept.device.type == "meta" and kept.shape == (2, 3) and kept.dtype == torch.float64
+    assert not kept.is_pinned()  # pinned only with CUDA
+    resident = seco_engine._Layers(model, T, 3, False, torch.device("cpu"))
+    source = torch.randn(2, 3, device="meta")
+    assert resident._copy(source).device.type == "meta"
