@@ -181,3 +181,12 @@ def test_boundary_copies_go_to_the_host_device_a_fake_host_shows_it():
     resident = seco_engine._Layers(model, T, 3, False, torch.device("cpu"))
     source = torch.randn(2, 3, device="meta")
     assert resident._copy(source).device.type == "meta"
+    # stage 2 brings the saved states back to the compute device (meta standing in for it)
+    ids, _ = data(9)
+    layers = seco_engine._Layers(model, T, 3, True, torch.device("cpu"))
+    with torch.no_grad():
+        _, _, saved, _ = seco_engine._forward_chunks(model, layers, ids, None, None, seco_engine._chunks(T, 4))
+    layers.device = torch.device("meta")
+    states, leaves = layers.leaves(saved[2])
+    assert leaves and all(leaf.device.type == "meta" and leaf.requires_grad and leaf.is_leaf
+                          for layer in leaves for leaf in layer.values())
