@@ -83,7 +83,7 @@ def fitted(tmp_path_factory):
     return SimpleNamespace(root=root, tokenizer=tokenizer, export=root / "export", seconds=seconds)
 
 
-def test_export_is_written_at_every_checkpoint(fitted):
+def _check_export_at_every_checkpoint(fitted):
     seen = json.loads((fitted.root / "spy.json").read_text())
     assert seen == [[step, step, True] for step in range(1, MAX_STEPS)]
     info = json.loads((fitted.export / "training.json").read_text())
@@ -92,7 +92,7 @@ def test_export_is_written_at_every_checkpoint(fitted):
     assert len(checkpoints) == MAX_STEPS  # one per step, and one export each
 
 
-def test_export_holds_the_tokenizer_and_loads(fitted):
+def _check_export_holds_the_tokenizer_and_loads(fitted):
     from hybridzoo.training.tokenizers import load_tokenizer
 
     copied = fitted.export / "tokenizer.json"
@@ -105,7 +105,7 @@ def test_export_holds_the_tokenizer_and_loads(fitted):
     assert model(ids)[0].shape == (1, ids.shape[1], tokenizer.vocab_size)
 
 
-def test_tokens_per_second_is_in_the_logged_metrics(fitted):
+def _check_tokens_per_second_is_in_the_logged_metrics(fitted):
     (metrics,) = fitted.root.rglob("metrics.csv")
     rows = list(csv.DictReader(metrics.open()))
     rates = [float(row["train/tokens_per_s"]) for row in rows if row.get("train/tokens_per_s")]
@@ -114,6 +114,17 @@ def test_tokens_per_second_is_in_the_logged_metrics(fitted):
     assert min(rates) > BATCH * SEQ_LEN / fitted.seconds
     steps = [int(row["step"]) for row in rows if row.get("train/tokens_per_s")]
     assert steps == list(range(MAX_STEPS))
+
+
+def test_fit_exports_at_every_checkpoint_with_the_tokenizer_and_logs_tokens_per_second(fitted):
+    """One test for the one fit (a module-scoped fixture runs inside the first test that asks for
+    it, so one test keeps every check attributed to the run that made it)."""
+    _check_export_at_every_checkpoint(fitted)
+    _check_export_holds_the_tokenizer_and_loads(fitted)
+    _check_tokens_per_second_is_in_the_logged_metrics(fitted)
+    info = json.loads((fitted.export / "training.json").read_text())
+    assert info["data"]["class_path"] == "hybridzoo.training.data.TextDataModule"  # the recipe's section
+    assert info["data"]["init_args"]["tokenizer"] == str(fitted.tokenizer)
 
 
 # ---- interrupted writes ------------------------------------------------------------------------
@@ -176,19 +187,38 @@ def _weights_of(directory: Path) -> dict:
     return HybridLM.from_pretrained(directory).state_dict()
 
 
+class _FakeData:
+    """A data module as the export sees it: saved hyperparameters and tokenizer files."""
+
+    def __init__(self, tokenizer_file: Path):
+        self.hparams = {"seq_len": 8, "paths": ["a.txt"], "generator": object()}  # not JSON: left out
+        self.file = tokenizer_file
+
+    def tokenizer_files(self):
+        return [self.file]
+
+
 def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tmp_path):
     torch.manual_seed(0)
     first, second = HybridLM(tiny_config("gdn attn")), HybridLM(tiny_config("gdn attn"))
     export = ExportCallback(dirpath=tmp_path / "elsewhere")
     trainer, module = _fake_run(tmp_path, first, 1)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"made": "up"}')
+    trainer.datamodule = _FakeData(tmp_path / "tok" / "tokenizer.json")
     export.on_save_checkpoint(trainer, module, {})
     target = tmp_path / "elsewhere"
     assert export.last_export == target and not (tmp_path / "export").exists()  # dirpath wins
+    assert (target / "tokenizer.json").read_text() == '{"made": "up"}'
     info = json.loads((target / "training.json").read_text())
-    assert info == {"data": None, "global_step": 1, "val_history": [{"step": 1, "loss": 1.0}]}
+    data = {"class_path": f"{__name__}._FakeData", "init_args": {"seq_len": 8, "paths": ["a.txt"]}}
+    assert info == {"data": data, "global_step": 1, "val_history": [{"step": 1, "loss": 1.0}]}
+    export.data_config = {"class_path": "given.by.the.CLI", "init_args": {"paths": [Path("b.txt")]}}  # it wins
     # the same callback, new weights at the next checkpoint: rewritten
     trainer, module = _fake_run(tmp_path, second, 2)
     export.on_save_checkpoint(trainer, module, {})
+    assert json.loads((target / "training.json").read_text())["data"] == {
+        "class_path": "given.by.the.CLI", "init_args": {"paths": ["b.txt"]}}  # a Path written as text
     assert all(torch.equal(t, _weights_of(target)[n]) for n, t in second.state_dict().items())
     # fit ends at the step just exported: only training.json is rewritten (same weights file)
     inode = (target / "model.safetensors").stat().st_ino
@@ -200,6 +230,9 @@ def test_export_rewrites_weights_only_when_they_changed_and_only_on_rank_zero(tm
     trainer, module = _fake_run(tmp_path, first, 3)
     export.on_fit_end(trainer, module)
     assert all(torch.equal(t, _weights_of(target)[n]) for n, t in first.state_dict().items())
+    # a module without val_history (not a LanguageModel) exports an empty history
+    export.export(trainer, SimpleNamespace(model=first))
+    assert json.loads((target / "training.json").read_text())["val_history"] == []
     # other ranks and Lightning's sanity check write nothing
     before = {p.name: p.stat().st_ino for p in target.iterdir()}
     for change in ({"is_global_zero": False}, {"sanity_checking": True}):

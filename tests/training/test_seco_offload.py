@@ -154,3 +154,39 @@ def test_the_keeper_slices_the_lm_head_of_a_hybrid_lm():
 
     other = seco_engine._Layers(LogitsOnly(model), T, 3, False, torch.device("cpu"))
     assert not other.hidden and isinstance(other.head, torch.nn.Identity)
+
+
+def test_the_refusal_states_the_sizes_in_gib(monkeypatch):
+    """3 GiB needed on a 4 GiB host (40% = 1.6 GiB): the message gives both, and the fix."""
+    monkeypatch.setattr(seco_engine, "offload_bytes", lambda *args: 3 * 2**30)
+    monkeypatch.setattr(seco_engine, "host_ram_bytes", lambda: 4 * 2**30)
+    with pytest.raises(SeCOOffloadError) as error:
+        seco_engine._check_offload(hybrid(9), 2, T, 6, torch.float64)
+    message = str(error.value)
+    assert "would pin 3.00 GiB of host memory" in message and "batch 2 x 23 tokens" in message
+    assert "more than 40% of this host's 4.0 GiB of RAM" in message and "kv_offload=False" in message
+    monkeypatch.setattr(seco_engine, "host_ram_bytes", lambda: 8 * 2**30)  # 40% = 3.2 GiB: accepted
+    seco_engine._check_offload(hybrid(9), 2, T, 6, torch.float64)
+
+
+def test_boundary_copies_go_to_the_host_device_a_fake_host_shows_it():
+    """A host that is not the compute device (the meta device stands in for it): with offload every
+    kept copy lands on the host; without, a copy stays where its source is."""
+    model = hybrid(9)
+    offloaded = seco_engine._Layers(model, T, 3, True, torch.device("cpu"))
+    offloaded.host = torch.device("meta")
+    kept = offloaded._copy(torch.randn(2, 3, dtype=torch.float64))
+    assert kept.device.type == "meta" and kept.shape == (2, 3) and kept.dtype == torch.float64
+    assert not kept.is_pinned()  # pinned only with CUDA
+    resident = seco_engine._Layers(model, T, 3, False, torch.device("cpu"))
+    source = torch.randn(2, 3, device="meta")
+    assert resident._copy(source).device.type == "meta"
+    # stage 2 brings the saved states back to the compute device (meta standing in for it)
+    ids, _ = data(9)
+    layers = seco_engine._Layers(model, T, 3, True, torch.device("cpu"))
+    with torch.no_grad():
+        _, _, saved, _ = seco_engine._forward_chunks(model, layers, ids, None, None, seco_engine._chunks(T, 4))
+    layers.device = torch.device("meta")
+    states, leaves = layers.leaves(saved[2])
+    assert leaves and all(leaf.device.type == "meta" and leaf.requires_grad and leaf.is_leaf
+                          for layer in leaves for leaf in layer.values())

@@ -105,7 +105,7 @@ def test_draws_follow_the_seed_and_a_budget_of_at_least_k_chunks_is_exact_seco()
         assert _select(3, budget, None, torch.Generator().manual_seed(0)) == [1.0, 1.0, 1.0]
     assert _select(3, None, None, None) == [1.0, 1.0, 1.0]
     assert _select(4, 2, [True, False, False, True], None) == [2.0, 0.0, 0.0, 2.0]
-    with pytest.raises(SeCOError, match="one entry per chunk"):
+    with pytest.raises(SeCOError, match=r"^SeCO: selection must have one entry per chunk \(4\), got 2$"):
         _select(4, 2, [True, False], None)
-    with pytest.raises(SeCOError, match="give spaco_budget too"):
+    with pytest.raises(SeCOError, match="^SeCO: selection is a SpaCO option; give spaco_budget too$"):
         _select(4, None, [True] * 4, None)
