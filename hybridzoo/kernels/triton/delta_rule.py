@@ -206,27 +206,44 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
 
 @triton.jit
 def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
-                offset, BW: tl.constexpr):
+                offset, BW: tl.constexpr, HEAD_BASE: tl.constexpr = False):
     """Chunk ``i_n``'s ``[C, BW]`` tile (columns from ``offset``) of head ``h`` of batch ``b`` in a
     ``[B, T, HEADS, WIDTH]`` tensor, as ``(pointers, mask)`` for :func:`_tile` and :func:`_put`
-    (the mask: rows before ``T``, columns before ``WIDTH``). The chunk's first row is one int64
-    scalar; the tile's offsets from it are int32 (at most ``C · HEADS · WIDTH``). These pointer
-    tiles replaced block pointers (``tl.make_block_ptr``), which Triton 3.9 removed; they cost the
-    sequential state kernels registers (sm_90, K 128, V 256, bf16, Triton 3.6: spill stores 232 ->
-    768 B per thread in ``_state_fwd_kernel``, 552 -> 956 B in ``_state_bwd_kernel``;
-    benchmarks/results/2026-12-01-triton-pointer-tiles-ptx-fingerprints.json)."""
-    t0 = i_n * C
-    base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
-    r, c = tl.arange(0, C), tl.arange(0, BW)
-    ptrs = base + r[:, None] * (HEADS * WIDTH) + c[None, :]
-    return ptrs, ((t0 + r)[:, None] < T) & ((offset + c)[None, :] < WIDTH)
+    (the mask: rows before ``T``, columns before ``WIDTH``). These pointer tiles replaced block
+    pointers (``tl.make_block_ptr``), which Triton 3.9 removed.
+
+    Two address forms, chosen per tile by what ptxas makes of them (sm_90, K 128, V 256,
+    ``scripts/kernel_resources.py``): by default the chunk's first row is one int64 scalar and the
+    tile's offsets from it are int32 (at most ``C · HEADS · WIDTH``); with ``HEAD_BASE`` the base
+    is the head's first row and the offsets are int64 token and column indices (the form block
+    pointers lowered to). The sequential state kernels read and write their value-wide tiles
+    (U, Vn, dO, dVn) with ``HEAD_BASE`` and their key-wide ones with int32 offsets: spill stores
+    per thread, bf16, forward / backward, Triton 3.6: 768 / 956 B with int32 offsets everywhere,
+    192 / 328 B so (block pointers: 232 / 552 B; Triton 3.9: 172 / 212 -> 40 / 72 B); the
+    chunk-parallel kernels keep int32 offsets (``_bwd_wy_kernel`` with ``HEAD_BASE`` everywhere
+    went from no spills to 572 B at K = V = 256, bf16).
+    benchmarks/results/2026-12-01-delta-rule-pointer-tiles-spills-sm90.json."""
+    if HEAD_BASE:
+        base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
+        r = (i_n * C + tl.arange(0, C)).to(tl.int64)
+        c = (offset + tl.arange(0, BW)).to(tl.int64)
+        ptrs = base + (r[:, None] * (HEADS * WIDTH) + c[None, :])
+        mask = (r[:, None] < T) & (c[None, :] < WIDTH)
+    else:
+        t0 = i_n * C
+        base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
+        r, c = tl.arange(0, C), tl.arange(0, BW)
+        ptrs = base + r[:, None] * (HEADS * WIDTH) + c[None, :]
+        mask = ((t0 + r)[:, None] < T) & ((offset + c)[None, :] < WIDTH)
+    return ptrs, mask
 
 
 @triton.jit
 def _cols_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
                 offset, BW: tl.constexpr):
     """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``; the same
-    arguments): a dot's left operand read in the layout the dot takes, not transposed in registers."""
+    arguments but ``HEAD_BASE``, int32 offsets): a dot's left operand read in the layout the dot
+    takes, not transposed in registers."""
     t0 = i_n * C
     base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
     r, c = tl.arange(0, C), tl.arange(0, BW)
@@ -251,8 +268,8 @@ def _put(block, x):
 def _state_block(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BV: tl.constexpr):
     """The ``[BK, BV]`` tile (value columns from ``i_v · BV``) of the ``[K, V]`` state at
     ``ptr + base``, as ``(pointers, mask)``."""
-    r, c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    return ptr + base + r[:, None] * V + c[None, :], (r[:, None] < K) & (c[None, :] < V)
+    r, c = tl.arange(0, BK).to(tl.int64), (i_v * BV + tl.arange(0, BV)).to(tl.int64)
+    return (ptr + base) + (r[:, None] * V + c[None, :]), (r[:, None] < K) & (c[None, :] < V)
 
 
 @triton.jit
@@ -281,9 +298,9 @@ def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
         _put(_state_block(h_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), state)
         w = _tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
-        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
+        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         vn = u - _dot(w, state, DT, PREC)
-        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), vn)
+        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True), vn)
         key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
         _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
         state = state * gamma_chunk + _dot(key_t, vn * gamma_out[:, None], DT, PREC)

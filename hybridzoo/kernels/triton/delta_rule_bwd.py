@@ -60,7 +60,8 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
                       HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
     """Reverse over chunks for one (batch, head, V-block): stores ``dS1`` of each chunk in
     ``dh [B, H, N, K, V]``, turns the local dVn (in ``dv``) into the full dVn in place, and
-    writes the initial state's gradient. As in the forward's state kernel: pointer tiles, dot
+    writes the initial state's gradient. As in the forward's state kernel: pointer tiles (value-wide
+    ones from the head's base, ``HEAD_BASE``), dot
     operands loaded in their own dtype (the left ones already transposed), and each decay applied
     to the chunk-by-value side of its dot (``(e ⊙ K) dS = e ⊙ (K dS)``), so no key-wide float32
     tile is held."""
@@ -77,12 +78,12 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
         _put(_state_block(dh_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), dstate)
         gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
         key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)
+        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)
         dvn = _tile(dv_block).to(tl.float32)
         dvn += _dot(key, dstate, DT, PREC) * gamma_out[:, None]
         _put(dv_block, dvn)
         query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV)).to(tl.float32)
+        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
         dstate = dstate * gamma_chunk
         dstate += _dot(query_t, do * (gamma_in * scale)[:, None], DT, PREC)
