@@ -69,10 +69,11 @@ def commands(code: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """The documents' working directory: the repository's benchmarks/ and scripts/ linked in (the
-    Python driver adds an untrained tiny-hybrid export where the quickstart expects one)."""
+    """The documents' working directory: the repository's benchmarks/, scripts/, tests/ (the
+    shipped lm-eval tasks) and hybridzoo/ (a data file the docs use) linked in (the Python driver
+    adds an untrained tiny-hybrid export where the quickstart expects one)."""
     work = tmp_path_factory.mktemp("docs")
-    for name in ("benchmarks", "scripts"):
+    for name in ("benchmarks", "scripts", "tests", "hybridzoo"):
         (work / name).symlink_to(ROOT / name)
     return work
 
@@ -186,6 +187,11 @@ def test_bash_commands_name_real_subcommands_flags_and_files():
             source = script.read_text()
             for flag in _flags(cmd[2:]):
                 assert f'"{flag}"' in source, f"{where}: {cmd[1]} defines no {flag}"
+        elif cmd[:3] == ["python", "-m", "hybridzoo.eval_harness"]:
+            # lm_eval's own command line with the model registered: its flags are lm_eval's,
+            # and the block is run by test_bash_blocks_run
+            assert (ROOT / "hybridzoo" / "eval_harness.py").is_file(), where
+            assert "--model" in cmd and cmd[cmd.index("--model") + 1] == "hybridzoo", where
         else:
             known = cmd[:3] in (["python3", "-m", "venv"], ["python", "-m", "pytest"]) or cmd[0] in (".", "pip")
             assert known, f"{where}: a command form tests/test_docs.py does not check; teach it or mark the block"
