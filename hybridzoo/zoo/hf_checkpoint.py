@@ -238,13 +238,18 @@ def _mamba_layout(hf_config: dict[str, Any]) -> _Layout:
     mixer = Mamba1Config(d_state=get("state_size"), d_conv=get("conv_kernel"), expand=int(expand),
                          dt_rank=get("time_step_rank"), conv_bias=bool(get("use_conv_bias")),
                          bias=bool(get("use_bias")))
+    return _mamba_family_layout("MambaForCausalLM", get, d_model, "mamba1", mixer)
+
+
+def _mamba_family_layout(arch: str, get, d_model: int, kind: str, mixer) -> _Layout:
+    """The layout both Mamba architectures share: ``backbone.`` weights, one mixer per layer, no MLP."""
     config = _hybrid_config(
-        "MambaForCausalLM", vocab_size=get("vocab_size"), d_model=d_model,
-        n_layers=get("num_hidden_layers"), layers="mamba1", d_mlp=0, norm_eps=get("layer_norm_epsilon"),
-        tie_embeddings=bool(get("tie_word_embeddings")), mamba1=mixer)
+        arch, vocab_size=get("vocab_size"), d_model=d_model,
+        n_layers=get("num_hidden_layers"), layers=kind, d_mlp=0, norm_eps=get("layer_norm_epsilon"),
+        tie_embeddings=bool(get("tie_word_embeddings")), **{kind: mixer})
     return _Layout(config, prefixes=("backbone.",), embed=("{p}embeddings.weight", "{p}embedding.weight"),
                    final_norm="{p}norm_f.weight", mixer_norm="{p}layers.{i}.norm.weight",
-                   mixers={"mamba1": "{p}layers.{i}.mixer."})
+                   mixers={kind: "{p}layers.{i}.mixer."})
 
 
 def _mamba2_layout(hf_config: dict[str, Any]) -> _Layout:
@@ -259,13 +264,7 @@ def _mamba2_layout(hf_config: dict[str, Any]) -> _Layout:
                          time_step_limit=tuple(float(t) for t in get("time_step_limit")),
                          conv_bias=bool(get("use_conv_bias")), bias=bool(get("use_bias")),
                          norm_eps=get("layer_norm_epsilon"))
-    config = _hybrid_config(
-        "Mamba2ForCausalLM", vocab_size=get("vocab_size"), d_model=d_model,
-        n_layers=get("num_hidden_layers"), layers="mamba2", d_mlp=0, norm_eps=get("layer_norm_epsilon"),
-        tie_embeddings=bool(get("tie_word_embeddings")), mamba2=mixer)
-    return _Layout(config, prefixes=("backbone.",), embed=("{p}embeddings.weight", "{p}embedding.weight"),
-                   final_norm="{p}norm_f.weight", mixer_norm="{p}layers.{i}.norm.weight",
-                   mixers={"mamba2": "{p}layers.{i}.mixer."})
+    return _mamba_family_layout("Mamba2ForCausalLM", get, d_model, "mamba2", mixer)
 
 
 def _qwen_layout(architecture: str, text: dict[str, Any], defaults: dict[str, Any], tie: bool) -> _Layout:
