@@ -139,6 +139,17 @@ def reference_skip_reason(kind: str, device: str) -> str | None:
     return None
 
 
+def allow_fla_gated_backward() -> None:
+    """fla 0.6 refuses the backward of its gated chunk kernels on Hopper with Triton < 3.7.1;
+    the reference rows are trained with that check lifted (``fla.ops.common.chunk_o.
+    TRITON_ABOVE_3_7_1 = True``), and the results' settings say so."""
+    import triton
+    from fla.ops.common import chunk_o
+
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+
+
 class ReferenceMixer:
     """Factory of an ``nn.Module`` that holds a reference layer in a hybridzoo ``Block``:
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], None)`` (no state: training only)."""
@@ -150,6 +161,8 @@ class ReferenceMixer:
 
         d = config.d_model
         c = getattr(config, kind)
+        if kind in ("gdn", "gla", "retnet"):
+            allow_fla_gated_backward()
         if kind == "gdn":
             from fla.layers import GatedDeltaNet
 
@@ -328,6 +341,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         step += 1
+        if step == 1:  # paired rows (same seed, same weights) must start from the same loss
+            row["first_loss"] = round(loss.item(), 6)
         if step % spec["eval_every"] == 0 or step == spec["max_steps"]:
             accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
             curve.append({"step": step, "train_loss": round(loss.item(), 5), "val_loss": round(val_loss, 5),
@@ -336,6 +351,9 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                 break
             best, since_best = (accuracy, 0) if accuracy > best else (best, since_best + 1)
             if best >= 0.999 or since_best >= spec["patience"]:
+                break
+            if spec.get("run_seconds") and time.perf_counter() - start > spec["run_seconds"]:
+                row["stopped"] = f"time limit {spec['run_seconds']} s"
                 break
     row.update(status="ok", steps=step, accuracy=max(p["accuracy"] for p in curve),
                final_accuracy=curve[-1]["accuracy"], val_loss=curve[-1]["val_loss"],
@@ -526,6 +544,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", dest="max_steps", type=int, default=None)
     parser.add_argument("--eval-every", dest="eval_every", type=int, default=None)
     parser.add_argument("--patience", type=int, default=None)
+    parser.add_argument("--run-seconds", dest="run_seconds", type=float, default=None,
+                        help="stop a run at its first evaluation past this many seconds (row marked 'stopped')")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--workers", type=int, default=1, help="processes side by side (spread over the GPUs)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
@@ -564,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("mqar: --device cuda but no CUDA device is available (use --device cpu)")
     spec = dict(SETTINGS[args.setting])
-    for key in ("max_steps", "eval_every", "patience"):
+    for key in ("max_steps", "eval_every", "patience", "run_seconds"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     runs_dir.mkdir(parents=True, exist_ok=True)
