@@ -361,7 +361,7 @@ def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
     block-pointer kernels and in the pointer-tile ones before them alike); every 64-wide setting
     passed (the WY forward with 32-wide tiles faulted at K 256 too). float32 inputs at
     K 256 passed with 32-wide tiles, their fixed launch."""
-    return 64 if bk >= 128 and dtype.itemsize == 2 else 32
+    return 64 if bk >= 64 and dtype.itemsize == 2 else 32
 
 
 def state_warps(bk: int, bv: int) -> int:
