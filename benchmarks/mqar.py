@@ -250,6 +250,10 @@ def build_model(recipe: str, impl: str, spec: dict[str, Any], seed: int):
 
     config = load_recipe_config(recipe, vocab_size=spec["vocab_size"])
     kind = config.pattern[0]
+    for key, value in (spec.get("overrides") or {}).items():  # --set kind.field=value
+        section, field = key.split(".", 1)
+        if section == kind:
+            setattr(getattr(config, kind), field, value)
     if spec.get("chunk_size") and kind in CHUNKED:
         getattr(config, kind).chunk_size = spec["chunk_size"]
     torch.manual_seed(seed)
@@ -312,7 +316,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     torch.set_num_threads(job.get("threads", 1))
-    row = {k: job[k] for k in ("id", "setting", "recipe", "kind", "size", "impl", "lr", "seed")}
+    row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
     model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
     model.to(device)
     row["state_size"] = state_size(config, spec["seq_len"])
@@ -367,7 +371,7 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         row = train_run(job)
     except Exception as error:  # one failed run must not lose the others
-        row = {k: job[k] for k in ("id", "setting", "recipe", "kind", "size", "impl", "lr", "seed")}
+        row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
         row.update(status="failed", error=f"{type(error).__name__}: {error}")
     path.write_text(json.dumps(row) + "\n")
     print(f"mqar: {row['id']}: {row['status']} accuracy {row.get('accuracy')} steps {row.get('steps')}", flush=True)
@@ -391,12 +395,14 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                 continue
             for lr in args.lrs:
                 for seed in args.seeds:
-                    run_id = f"{args.setting}-{recipe}-{impl}-lr{lr:g}-s{seed}"
+                    tag = "".join(f"-{k.split('.', 1)[1]}={v}" for k, v in spec.get("overrides", {}).items()
+                                  if k.split(".", 1)[0] == kind and impl == "hybridzoo")
+                    run_id = f"{args.setting}-{recipe}{tag}-{impl}-lr{lr:g}-s{seed}"
                     path = runs_dir / f"{run_id}.json"
                     if path.is_file():
                         continue
                     dev = f"cuda:{len(jobs) % gpus}" if device.startswith("cuda") else device
-                    jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, kind=kind, size=size,
+                    jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, variant=tag, kind=kind, size=size,
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
                                      threads=args.threads))
     return jobs, skipped
@@ -408,7 +414,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, dict[float, list[dict]]] = {}
     for row in rows:
         if row.get("status") == "ok":
-            groups.setdefault((row["setting"], row["recipe"], row["impl"]), {}).setdefault(row["lr"], []).append(row)
+            groups.setdefault((row["setting"], row["recipe"] + row.get("variant", ""), row["impl"]), {}).setdefault(row["lr"], []).append(row)
     out = []
     for (setting, recipe, impl), by_lr in groups.items():
         medians = {lr: statistics.median(r["accuracy"] for r in rs) for lr, rs in by_lr.items()}
@@ -544,6 +550,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", dest="max_steps", type=int, default=None)
     parser.add_argument("--eval-every", dest="eval_every", type=int, default=None)
     parser.add_argument("--patience", type=int, default=None)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KIND.FIELD=VALUE",
+                        help="a mixer setting for the hybridzoo model, e.g. gdn.decay_init=multiscale "
+                             "(YAML value; in the run's name and row)")
     parser.add_argument("--run-seconds", dest="run_seconds", type=float, default=None,
                         help="stop a run at its first evaluation past this many seconds (row marked 'stopped')")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -587,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("max_steps", "eval_every", "patience", "run_seconds"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
+    if args.overrides:
+        import yaml
+
+        spec["overrides"] = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     runs_dir.mkdir(parents=True, exist_ok=True)
     jobs, skipped = plan(args, spec, device, runs_dir)
     for line in skipped:

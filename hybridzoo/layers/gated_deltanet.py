@@ -39,6 +39,7 @@ is HF's conv state ``[B, conv_dim, conv_size]`` without its oldest column, trans
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -84,6 +85,13 @@ class GatedDeltaNetConfig:
             i.e. no decay, which the kernels and its gradient (0) handle; HF uses 0.01 as the
             lower bound).
 
+        decay_init: ``"fla"`` (the draws above) or ``"multiscale"``: ``dt_bias`` drawn as fla
+            does, then ``A`` set per head so that the initial decay ``exp(-A softplus(dt_bias))``
+            is ``1 - 1 / L_h`` with memories ``L_h`` log-spaced over ``memory_range`` (one head:
+            their geometric mean), a spread of fixed time scales across heads as in RetNet's
+            ``1 - 2^(-5 - h)``.
+        memory_range: ``(L_min, L_max)`` tokens, the memories of ``"multiscale"``.
+
     With only a few value heads per layer the initial decays ``exp(-A softplus(dt_bias))`` vary
     a lot between seeds (memories of one to hundreds of tokens; a layer of 2 heads has a head
     of decay >= 0.99 with probability ~0.25), as in fla: recall tasks then depend on the seed.
@@ -100,6 +108,8 @@ class GatedDeltaNetConfig:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     A_init_range: tuple[float, float] = (0.0, 16.0)
+    decay_init: str = "fla"
+    memory_range: tuple[float, float] = (4.0, 4096.0)
 
 
 class GatedDeltaNet(Mixer):
@@ -126,6 +136,11 @@ class GatedDeltaNet(Mixer):
         for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_size", "chunk_size"):
             if getattr(config, name) < 1:
                 raise ValueError(f"GatedDeltaNet: {name} must be >= 1, got {getattr(config, name)}")
+        if config.decay_init not in ("fla", "multiscale"):
+            raise ValueError(f"GatedDeltaNet: decay_init must be 'fla' or 'multiscale', got {config.decay_init!r}")
+        if not 1.0 < config.memory_range[0] <= config.memory_range[1]:
+            raise ValueError(f"GatedDeltaNet: memory_range must be (L_min, L_max) with 1 < L_min <= L_max, "
+                             f"got {config.memory_range}")
         if config.num_v_heads % config.num_k_heads:
             raise ValueError(f"GatedDeltaNet: num_v_heads {config.num_v_heads} is not a multiple of "
                              f"num_k_heads {config.num_k_heads}")
@@ -160,6 +175,13 @@ class GatedDeltaNet(Mixer):
         cfg = self.config
         self.A_log.copy_(torch.log(torch.empty(self.num_v_heads).uniform_(*cfg.A_init_range)))
         init_dt_bias_(self.dt_bias, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)
+        if cfg.decay_init == "multiscale":  # the draws above are kept, so later layers draw as with "fla"
+            low, high = (math.log(x) for x in cfg.memory_range)
+            memory = (torch.linspace(low, high, self.num_v_heads) if self.num_v_heads > 1
+                      else torch.tensor([(low + high) / 2])).exp()
+            decay_rate = -torch.log1p(-1.0 / memory.double())           # -log(1 - 1/L) > 0
+            step = F.softplus(self.dt_bias.double())
+            self.A_log.copy_((decay_rate / step).log())
 
     def expected_state(self, batch_size: int, dtype: torch.dtype
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
