@@ -410,10 +410,11 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (setting, recipe, impl): the best learning rate by median accuracy over the
-    seeds, its median, min and max, and the seeds counted."""
+    seeds, its median, min and max, and the seeds counted. Runs stopped by the time limit
+    (``--run-seconds``) are left out."""
     groups: dict[tuple, dict[float, list[dict]]] = {}
     for row in rows:
-        if row.get("status") == "ok":
+        if row.get("status") == "ok" and not row.get("stopped"):  # a run cut by --run-seconds is not counted
             groups.setdefault((row["setting"], row["recipe"] + row.get("variant", ""), row["impl"]), {}).setdefault(row["lr"], []).append(row)
     out = []
     for (setting, recipe, impl), by_lr in groups.items():
@@ -458,9 +459,31 @@ def results_table(results: dict[str, Any]) -> str:
             lines.append(f"| {recipe} | {any_row['state_size']:,} | {fmt(hz)} | {hz['best_lr'] if hz else '-'} | "
                          f"{REFERENCE_NAMES.get(any_row['kind'], '?')} | {fmt(ref)} | {ref['best_lr'] if ref else '-'} |")
         lines.append("")
+    lines += paired_table(results.get("runs", []))
     for note in results.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
+
+
+def paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each (setting, recipe, lr, seed) run by both implementations (no ``--set``
+    variant), side by side with the loss of their first step (equal when they start from the
+    same weights) and the accuracy at each evaluation."""
+    runs = {(r["setting"], r["recipe"], r["lr"], r["seed"], r["impl"]): r for r in rows
+            if r.get("status") == "ok" and not r.get("variant")}
+    pairs = sorted({k[:4] for k in runs if k[4] == "hybridzoo" and (*k[:4], "reference") in runs})
+    if not pairs:
+        return []
+    curve = lambda r: " ".join(f"{p['accuracy']:.2f}" for p in r["curve"])  # noqa: E731
+    lines = ["## paired runs (same seed, same data)", "",
+             "| setting | recipe | lr | seed | first loss hybridzoo / reference | best accuracy hybridzoo / reference "
+             "| accuracy per evaluation, hybridzoo | reference |", "|---|---|---:|---:|---|---|---|---|"]
+    for key in pairs:
+        hz, ref = runs[(*key, "hybridzoo")], runs[(*key, "reference")]
+        cut = lambda r: f" (cut at {r['steps']} steps: {r['stopped']})" if r.get("stopped") else ""  # noqa: E731
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]} | {hz.get('first_loss')} / {ref.get('first_loss')} "
+                     f"| {hz['accuracy']:.3f}{cut(hz)} / {ref['accuracy']:.3f}{cut(ref)} | {curve(hz)} | {curve(ref)} |")
+    return lines + [""]
 
 
 def plot_results(results: dict[str, Any], path: Path) -> Path:

@@ -346,7 +346,7 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 # stage (scripts/kernel_resources.py); at K = 256 it does not fit shared memory (bf16 287 KB,
 # float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (bf16, B2 T16384 H16
 # K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
-# The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K > 64).
+# The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K > 32).
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
@@ -354,13 +354,18 @@ STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
 
 def value_tile_floor(bk: int, dtype: torch.dtype) -> int:
     """The narrowest value tile (``BV``) any delta-rule kernel takes with ``bk``-wide key tiles and
-    inputs of ``dtype``: 32, but 64 for 16-bit inputs with key tiles of 128 or more (K > 64).
-    There, on an H200 with Triton 3.6 (``K = V`` 128 and 256, bf16, one process per
-    setting), 32-wide value tiles made the state backward fault (illegal memory access, K 128,
-    4 warps) and the output kernel return wrong outputs (relative error 2.1 at K 256, in the
-    block-pointer kernels and in the pointer-tile ones before them alike); every 64-wide setting
-    passed (the WY forward with 32-wide tiles faulted at K 256 too). float32 inputs at
-    K 256 passed with 32-wide tiles, their fixed launch."""
+    inputs of ``dtype``: 32, but 64 for 16-bit inputs with key tiles of 64 or more (K > 32).
+
+    On an H200 with Triton 3.6, one process per setting: at ``K = V`` 128 and 256 in bf16,
+    32-wide value tiles made the state backward fault (illegal memory access, K 128, 4 warps)
+    and the output kernel return wrong outputs (relative error 2.1 at K 256); at ``K = V = 64``
+    in bf16 (``mqar-gdn-l``: B 64, T 253, 2 heads) autotuning the state kernels over the 32-
+    and 64-wide candidates made an illegal memory access (each candidate forced alone passed,
+    and compute-sanitizer found no error in the 32-wide one, whose ``dk`` error was twice the
+    others'; 32-wide tiles with 8 warps gave wrong gradients there, relative error 0.94). Every
+    64-wide setting passed; with the floor at 64 from K = 64 the autotuned sweep over every
+    recipe shape passed (``benchmarks/results/2026-12-01-gpu-recipe-shapes-h200.json``).
+    float32 inputs at K 64 and 256 passed with 32-wide tiles."""
     return 64 if bk >= 64 and dtype.itemsize == 2 else 32
 
 
@@ -377,12 +382,12 @@ def prune_state_configs(configs: list, named_args: dict, **kwargs) -> list:
     and with two pipelining stages only up to 128-wide keys (above, the state backward needs
     287 KB of shared memory in bf16, 279 KB in float32: more than an H200's 227 KB).
 
-    The warps rule: at K = V = 64 in bf16 (``mqar-gdn-l``: B 64, T 256, 2 heads) the autotuning
-    of ``_state_bwd`` made an illegal memory access on an H200 (Triton 3.6). All four candidates
-    were tried there; the two with 8 warps on 64-wide key tiles are the ones no GPU test had run
-    (the fixed launch, and every GPU test of these kernels at K <= 64, use 4; the per-setting GPU
-    test ran K 128 and 256 only) and match the known-faulting pattern (8 warps where the tested
-    launch had 4: the linear-attention output kernel's fault). They are left out."""
+    The warps rule: at K = V = 64 in bf16 (``mqar-gdn-l``) the 8-warp candidates were first left
+    out after a fault in the state kernels' autotuning on an H200 (Triton 3.6); forced one by
+    one there (``scripts/probe_state_configs.py``), 32-wide tiles with 8 warps gave wrong
+    gradients and every other setting passed. The fault itself came back with the two 4-warp
+    candidates (32 and 64 wide) and went away with the 64-wide floor (:func:`value_tile_floor`).
+    """
     args = {**named_args, **kwargs}
     bk = max(32, triton.next_power_of_2(args["K"]))
     floor = value_tile_floor(bk, args["k_ptr"].dtype)

@@ -252,20 +252,20 @@ def test_wy_kernels_keep_k128s_launch_above_k128(K, V, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("K, V", [(256, 256), (256, 100), (256, 32), (128, 128), (128, 32), (96, 16),
-                                  (64, 32), (16, 32)])
-def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypatch):
-    """The GPU launch (interpreter off): with 16-bit inputs and key tiles of 128 or more (K > 64),
+                                  (64, 64), (64, 32), (48, 16), (32, 32), (16, 32)])
+def test_value_tiles_of_16bit_inputs_are_64_wide_from_k64(K, V, dtype, monkeypatch):
+    """The GPU launch (interpreter off): with 16-bit inputs and key tiles of 64 or more (K > 32),
     every kernel's value tile, the WY kernels' included, is 64 wide and the state kernels'
     autotuner never tries a 32-wide one (on an H200 with Triton 3.6: 32-wide value tiles faulted in the
-    state backward at K 128 and gave wrong outputs at K 256); float32 keeps 32-wide tiles above
-    K 128, and narrower keys keep their tiles. Two-stage candidates are left out above K 128
-    (shared memory)."""
+    state backward at K 128, gave wrong outputs at K 256, and autotuning over 32- and 64-wide
+    tiles faulted at K = V = 64); float32 keeps 32-wide tiles above K 128, and narrower keys keep
+    their tiles. Two-stage candidates are left out above K 128 (shared memory)."""
     from hybridzoo.kernels.triton import delta_rule, launch
 
     monkeypatch.setattr(launch, "interpret", lambda: False)
     cfg = delta_rule._Config(torch.empty(1, 8, 1, K, dtype=dtype), torch.empty(1, 8, 1, V, dtype=dtype), 64)
     sixteen_bit = dtype != torch.float32
-    if sixteen_bit and K > 64:
+    if sixteen_bit and K > 32:
         expected = 64
     elif K > 128:
         expected = 32
@@ -276,7 +276,7 @@ def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypa
         assert cfg.wy_consts()["BV"] == 64 and cfg.warps == cfg.wy_consts()["num_warps"] == launch.warps(64, 64)
     kept = delta_rule.prune_state_configs(delta_rule.STATE_CONFIGS, {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
     widths = {c.kwargs["BV"] for c in kept}
-    assert widths == ({64} if sixteen_bit and K > 64 else {32, 64})
+    assert widths == ({64} if sixteen_bit and K > 32 else {32, 64})
     # two stages only up to K 128 (K 256 overflowed an H200's shared memory with them); the
     # two-stage candidate has 8 warps, pruned up to K 64
     assert {c.num_stages for c in kept} == ({1} if K > 128 or K <= 64 else {1, 2})
@@ -285,16 +285,17 @@ def test_value_tiles_of_16bit_inputs_are_64_wide_from_k128(K, V, dtype, monkeypa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("K", [16, 32, 64, 128, 256])
 def test_state_tuning_never_tries_more_warps_than_the_fixed_launch(K, dtype):
-    """At key tiles up to 64 the state kernels' autotuner tries 4 warps only, the fixed launch's:
-    ``mqar-gdn-l`` (K = V = 64, bf16) faulted inside ``_state_bwd``'s autotuning on an H200 with
-    Triton 3.6, where the 8-warp candidates were the untested ones. Wider keys keep 8 warps on
-    64-wide value tiles (the fixed launch's there)."""
+    """At key tiles up to 64 the state kernels' autotuner tries 4 warps only, the fixed launch's
+    (on an H200 with Triton 3.6, 32-wide value tiles with 8 warps gave wrong gradients at
+    K = V = 64 in bf16), and with 16-bit inputs at K = 64 only the 64-wide tile (value_tile_floor).
+    Wider keys keep 8 warps on 64-wide value tiles (the fixed launch's there)."""
     kept = triton_delta_rule.prune_state_configs(triton_delta_rule.STATE_CONFIGS,
                                                  {"k_ptr": torch.empty(1, dtype=dtype)}, K=K)
     assert kept, "every candidate pruned"
     cfg = triton_delta_rule._Config(torch.empty(1, 8, 1, K, dtype=dtype), torch.empty(1, 8, 1, K, dtype=dtype), 64)
     if K <= 64:
-        assert {(c.kwargs["BV"], c.num_warps, c.num_stages) for c in kept} == {(32, 4, 1), (64, 4, 1)}
+        widths = {64} if K == 64 and dtype != torch.float32 else {32, 64}
+        assert {(c.kwargs["BV"], c.num_warps, c.num_stages) for c in kept} == {(w, 4, 1) for w in widths}
         assert cfg.warps == 4
     else:
         assert 8 in {c.num_warps for c in kept}
