@@ -63,6 +63,34 @@ def test_bad_config():
         GatedDeltaNet(D_MODEL, tiny(head_k_dim=0))
 
 
+@pytest.mark.parametrize("heads", [1, 2, 5])
+def test_multiscale_decay_init_spans_the_memory_range(heads):
+    """``decay_init="multiscale"``: the initial decays ``exp(-A softplus(dt_bias))`` are
+    ``1 - 1/L`` with ``L`` log-spaced over ``memory_range`` (one head: the geometric mean), the
+    step sizes stay fla's draws, and every other weight is the one fla's init gives."""
+    memory_range = (4.0, 4096.0)
+    torch.manual_seed(3)
+    fla_init = GatedDeltaNet(D_MODEL, tiny(num_k_heads=1, num_v_heads=heads))
+    torch.manual_seed(3)
+    mixer = GatedDeltaNet(D_MODEL, tiny(num_k_heads=1, num_v_heads=heads, decay_init="multiscale",
+                                        memory_range=memory_range))
+    decay = torch.exp(-mixer.A_log.detach().double().exp() * F.softplus(mixer.dt_bias.detach().double()))
+    memory = 1.0 / (1.0 - decay)
+    expected = ([math.sqrt(memory_range[0] * memory_range[1])] if heads == 1 else
+                [memory_range[0] * (memory_range[1] / memory_range[0]) ** (h / (heads - 1)) for h in range(heads)])
+    assert torch.allclose(memory, torch.tensor(expected, dtype=torch.float64), rtol=1e-4)
+    for (name, a), (_, b) in zip(fla_init.named_parameters(), mixer.named_parameters()):
+        if name != "A_log":
+            assert torch.equal(a, b), name
+
+
+def test_bad_decay_init():
+    with pytest.raises(ValueError, match="decay_init must be 'fla' or 'multiscale'"):
+        GatedDeltaNet(D_MODEL, tiny(decay_init="retnet"))
+    with pytest.raises(ValueError, match="memory_range must be"):
+        GatedDeltaNet(D_MODEL, tiny(decay_init="multiscale", memory_range=(1.0, 10.0)))
+
+
 def test_init_and_no_weight_decay():
     torch.manual_seed(0)
     config = GatedDeltaNetConfig(num_k_heads=2, num_v_heads=512, head_k_dim=2, head_v_dim=2)
