@@ -6,7 +6,7 @@
 #   PATH=/path/to/venv/bin:$PATH scripts/mutation_training.sh [WORKDIR] [SECONDS]
 #
 # Runs in a scratch copy (WORKDIR, default /tmp/hybridzoo-mutation) so the checkout is untouched;
-# stops after SECONDS (default 1500). Then: cd WORKDIR && mutmut results (survivors), mutmut show NAME.
+# stops after SECONDS (default 1500); MUTANTS="name-or-glob ..." runs only those. Then: cd WORKDIR && mutmut results (survivors), mutmut show NAME.
 # Results of a run: benchmarks/results/2026-12-01-mutation-training.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,8 +48,10 @@ rm mutants/hybridzoo/training/{seco_engine,seco,callbacks}.py mutants/hybridzoo/
 export OMP_NUM_THREADS=1 TRITON_INTERPRET=1
 S=hybridzoo.training.seco_engine
 C=hybridzoo.training.callbacks
-timeout "$seconds" mutmut run --max-children 2 \
-    "$S.x__select__mutmut_*" "$S.xǁ_Layersǁ*" "$S.x__check_offload__mutmut_*" "$S.x_offload_bytes__mutmut_*" \
-    "$S.x_host_ram_bytes__mutmut_*" "$C.xǁExportCallbackǁ*" "$C.x_tokenizer_files__mutmut_*" \
-    "$C.xǁTokensPerSecondǁ*" "hybridzoo.zoo.checkpoint.x_write_atomically__mutmut_*" || true
+# MUTANTS (space-separated mutant names or globs, module paths as below) narrows the run
+default=("$S.x__select__mutmut_*" "$S.xǁ_Layersǁ*" "$S.x__check_offload__mutmut_*" "$S.x_offload_bytes__mutmut_*"
+         "$S.x_host_ram_bytes__mutmut_*" "$C.xǁExportCallbackǁ*" "$C.x_tokenizer_files__mutmut_*"
+         "$C.xǁTokensPerSecondǁ*" "hybridzoo.zoo.checkpoint.x_write_atomically__mutmut_*")
+read -r -a mutants <<< "${MUTANTS:-${default[*]}}"
+timeout "$seconds" mutmut run --max-children 2 "${mutants[@]}" || true
 mutmut results --all true 2>/dev/null || mutmut results

@@ -11,10 +11,12 @@ The GPU test that the kept tensors are pinned host memory is in test_seco.py
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from hybridzoo.layers.attention import BlockKVState
+from hybridzoo.layers.attention import Attention, BlockKVState
 from hybridzoo.training import seco_engine
 from hybridzoo.training.seco_engine import SeCOOffloadError, offload_bytes, seco_step
 from tests.training.test_seco import T, assert_close, data, full_backprop, hybrid, take_grads
@@ -68,6 +70,7 @@ def test_seco_step_keeps_its_stage_one_state_where_kv_offload_says(offload, reco
     # with the activations otherwise
     assert layers.stores and all(s.store_device == host for s in layers.stores)
     assert all(s.pin_memory == layers.pin for s in layers.stores)
+    assert all(s.block_size == 3 for s in layers.stores)  # the caller's prefix block, not the default
     # every boundary state kept is a fresh copy (never a view of a live activation), on the host
     assert layers.copies
     for source, kept in layers.copies:
@@ -120,6 +123,21 @@ def test_the_guard_counts_the_bytes_stage_one_keeps(monkeypatch, recording):
     seco_step(model, batch, CHUNK)  # no offload: no guard at all, whatever the RAM
     assert len(counted) == 3
 
+
+
+def test_the_guard_counts_no_positions_for_a_one_token_window(recording):
+    """A sliding window of 1 keeps no K/V positions between chunks: ``offload_bytes`` counts
+    exactly the bytes stage 1 keeps, with such a layer as with any other."""
+    model = hybrid(10)
+    (window,) = [b for b in model.blocks if b.mixer.kind == "attn" and not seco_engine._is_full_attention(b)]
+    window.mixer = Attention(model.config.d_model, dataclasses.replace(model.config.attn, window=1)).double()
+    ids, labels = data(10)
+    seco_step(model, {"input_ids": ids, "labels": labels}, CHUNK, kv_offload=True)
+    (layers,) = recording
+    kept = sum(out.nbytes for _, out in layers.copies)
+    kept += sum(2 * ids.shape[0] * T * m.n_kv_heads * m.head_dim * 8
+                for block in model.blocks if seco_engine._is_full_attention(block) for m in [block.mixer])
+    assert offload_bytes(model, 2, T, -(-T // CHUNK), torch.float64) == kept
 
 
 def test_host_ram_is_this_machines_physical_memory():
