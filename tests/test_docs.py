@@ -70,22 +70,12 @@ def commands(code: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """The documents' working directory: the repository's benchmarks/, scripts/, tests/ (the
-    shipped lm-eval tasks) and hybridzoo/ (a data file the docs use) linked in (the Python driver
-    adds an untrained tiny-hybrid export where the quickstart expects one)."""
+    shipped lm-eval tasks) and hybridzoo/ (a data file the docs use) linked in (the driver adds an
+    untrained tiny-hybrid export where the quickstart expects one)."""
     work = tmp_path_factory.mktemp("docs")
     for name in ("benchmarks", "scripts", "tests", "hybridzoo"):
         (work / name).symlink_to(ROOT / name)
     return work
-
-
-_RUNS: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
-
-
-def run_once(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run a documented command in ``cwd`` (once per test session: two tests may need it)."""
-    if tuple(cmd) not in _RUNS:
-        _RUNS[tuple(cmd)] = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=300)
-    return _RUNS[tuple(cmd)]
 
 
 def _env() -> dict:
@@ -103,30 +93,73 @@ def test_every_skipped_block_gives_a_reason():
     assert len(runnable) >= 8, "most snippets must run; mark only what needs a GPU, a download or minutes"
 
 
-# ---- python ----------------------------------------------------------------------------------------
+# ---- running the documents ------------------------------------------------------------------------
+# One process runs every runnable Python block (each in a fresh namespace), then every runnable
+# bash command in document order, then ``hybridzoo fit --print_config`` (for test_fit_flags_exist).
+# A command runs in that process through the entry point its shell form names: ``hybridzoo ARGS``
+# is the console script's ``hybridzoo.cli:main(ARGS)``, ``python -m MODULE ARGS`` is
+# ``runpy.run_module(MODULE)`` with ``sys.argv`` set, as ``python -m`` does; anything else runs as a
+# subprocess. torch, Lightning and lm-eval are then imported once, not once per command.
 DRIVER = textwrap.dedent("""
-    import json, sys, traceback
+    import contextlib, io, json, runpy, subprocess, sys, traceback
     from hybridzoo import HybridLM
     HybridLM.from_recipe("tiny-hybrid").save_pretrained("runs/tiny-hybrid/export")
-    results = []
-    for doc, line, code in json.load(sys.stdin):
+
+    def run_block(doc, line, code):
         try:
             exec(compile(code, f"{doc}:{line}", "exec"), {"__name__": "__main__"})
-            results.append(None)
         except BaseException:
-            results.append(f"{doc}, block at line {line}:\\n" + traceback.format_exc())
-    print("RESULTS " + json.dumps(results))
+            return f"{doc}, block at line {line}:\\n" + traceback.format_exc()
+
+    def run_command(cmd):
+        out, err, code, argv = io.StringIO(), io.StringIO(), 0, sys.argv
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                if cmd[0] == "hybridzoo":
+                    from hybridzoo.cli import main
+                    code = main(cmd[1:]) or 0
+                elif cmd[:2] == ["python", "-m"]:
+                    sys.argv = [cmd[2], *cmd[3:]]
+                    runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+                else:
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    code = done.returncode
+                    out.write(done.stdout), err.write(done.stderr)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            code = 1
+            err.write(traceback.format_exc())
+        finally:
+            sys.argv = argv
+        return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+    todo = json.load(sys.stdin)
+    blocks = [run_block(*b) for b in todo["python"]]
+    commands = [run_command(c) for c in todo["commands"]]
+    print("RESULTS " + json.dumps({"python": blocks, "commands": commands}))
 """)
+PRINT_CONFIG = ["hybridzoo", "fit", "--config", "tiny-hybrid", "--print_config"]
 
 
-def test_python_blocks_run(workdir):
-    runnable = [(doc, line, code) for doc, line, code, reason in blocks("python") if reason is None]
-    assert runnable
-    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(runnable), capture_output=True,
-                          text=True, cwd=workdir, env=_env(), timeout=600)
+@pytest.fixture(scope="module")
+def documents_run(workdir) -> dict:
+    """``{"python": [failure or None per runnable block], "commands": {command: result}}`` from
+    one driver process in ``workdir`` (see DRIVER)."""
+    python = [(doc, line, code) for doc, line, code, reason in blocks("python") if reason is None]
+    commands_ = [cmd for _, _, code, reason in blocks("bash") if reason is None for cmd in commands(code)]
+    commands_ = list(dict.fromkeys(map(tuple, commands_ + [PRINT_CONFIG])))
+    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps({"python": python, "commands": commands_}),
+                          capture_output=True, text=True, cwd=workdir, env=_env(), timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, done.stdout[-2000:] + done.stderr[-4000:]
-    failures = [f for f in json.loads(lines[-1][len("RESULTS "):]) if f]
+    results = json.loads(lines[-1][len("RESULTS "):])
+    return {"python": results["python"], "commands": dict(zip(commands_, results["commands"]))}
+
+
+def test_python_blocks_run(documents_run):
+    assert documents_run["python"]
+    failures = [f for f in documents_run["python"] if f]
     assert not failures, "\n\n".join(failures)
 
 
@@ -187,6 +220,8 @@ def test_bash_commands_name_real_subcommands_flags_and_files():
             source = script.read_text()
             for flag in _flags(cmd[2:]):
                 assert f'"{flag}"' in source, f"{where}: {cmd[1]} defines no {flag}"
+        elif cmd[:1] == ["bash"] and cmd[1].startswith("scripts/"):
+            assert (ROOT / cmd[1]).is_file(), where
         elif cmd[:3] == ["python", "-m", "hybridzoo.eval_harness"]:
             # lm_eval's own command line with the model registered: its flags are lm_eval's,
             # and the block is run by test_bash_blocks_run
@@ -197,15 +232,15 @@ def test_bash_commands_name_real_subcommands_flags_and_files():
             assert known, f"{where}: a command form tests/test_docs.py does not check; teach it or mark the block"
 
 
-def test_fit_flags_exist(workdir):
+def test_fit_flags_exist(documents_run):
     """Every dotted flag of every ``hybridzoo fit`` in the documents is a key of the recipe's
-    resolved configuration (``hybridzoo fit --print_config``, one process)."""
+    resolved configuration (``hybridzoo fit --print_config``)."""
     flags = {flag for _, _, cmd in _all_commands() if cmd[:2] == ["hybridzoo", "fit"]
              for flag in _flags(cmd[2:]) if "." in flag}
     assert flags
-    done = run_once(["hybridzoo", "fit", "--config", "tiny-hybrid", "--print_config"], workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    config = yaml.safe_load(done.stdout)
+    done = documents_run["commands"][tuple(PRINT_CONFIG)]
+    assert done["returncode"] == 0, done["stderr"][-3000:]
+    config = yaml.safe_load(done["stdout"])
     for flag in sorted(flags):
         node = config
         for key in flag[2:].split("."):
@@ -213,13 +248,16 @@ def test_fit_flags_exist(workdir):
             node = node[key]
 
 
-def test_bash_blocks_run(workdir):
+def test_bash_blocks_run(documents_run):
+    ran = 0
     for doc, line, code, reason in blocks("bash"):
         if reason is not None:
             continue
         for cmd in commands(code):
-            done = run_once(cmd, workdir)
-            assert done.returncode == 0, f"{doc}:{line}: {' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            done = documents_run["commands"][tuple(cmd)]
+            assert done["returncode"] == 0, f"{doc}:{line}: {' '.join(cmd)}\n{done['stdout'][-2000:]}\n{done['stderr'][-3000:]}"
+            ran += 1
+    assert ran >= 5
 
 
 # ---- links and paths -------------------------------------------------------------------------------
