@@ -35,7 +35,7 @@ slice's end only (the last rank: the whole sequence, as single-process SeCO).
 
 Bytes sent per step and layer, all ranks together (``P`` ranks, ``T`` tokens per rank, batch
 ``B``; ``e`` bytes per activation number, ``s`` per state number, ``g = max(e, 4)`` per K/V
-gradient number; :func:`seco_bytes_per_step`), each direction once:
+gradient number; :func:`hybridzoo.parallel.costs.seco_bytes_per_step`), each direction once:
 
 * recurrent layer with state ``S`` numbers and conv tail ``C`` numbers per batch row:
   ``(P − 1) · B · (S · s + C · e)`` forward and the same backward;
@@ -170,7 +170,7 @@ class RankLink:
             if tuple(in_order.shape) != shape:
                 raise ContextParallelError(f"SeCO (context parallel): block {i} field {name!r} ends "
                                            f"with shape {tuple(in_order.shape)}, expected {shape}")
-            tensors.append(in_order)
+            tensors.append(in_order.to(self.device))  # (stores offloaded to host memory)
         self._send(tensors, self.rank + 1)
 
     def _end_tensors(self, states: list):
@@ -217,31 +217,4 @@ class RankLink:
             grad = relay.get(i, {}).get(name)
             tensors.append(torch.zeros(shape, dtype=dtype, device=self.device) if grad is None else grad)
         self._send(tensors, self.rank - 1)
-
-
-def seco_bytes_per_step(model, size: int, batch: int, local_len: int, dtype: torch.dtype | None = None,
-                        with_labels: bool = True) -> tuple[int, int]:
-    """``(forward, backward)`` bytes all ranks send together in one context-parallel SeCO step of
-    a ``HybridLM`` with activations in ``dtype`` (default: the parameters'); see the module
-    docstring. Forward = stage 1's hand-off (and the labels' shift), backward = stage 2's."""
-    dtype = dtype or next(model.parameters()).dtype
-    e = torch.empty((), dtype=dtype).element_size()
-    g = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    forward = (size - 1) * batch * 8 if with_labels else 0
-    backward = 0
-    for block in model.blocks:
-        mixer = block.mixer
-        if isinstance(mixer, Attention):
-            row = batch * mixer.n_kv_heads * 2 * mixer.head_dim
-            if _is_full(block):
-                positions = size * (size - 1) // 2 * local_len
-                forward, backward = forward + positions * row * e, backward + positions * row * g
-            else:
-                positions = sum(_window_keep(mixer, p * local_len) for p in range(1, size))
-                forward, backward = forward + positions * row * e, backward + positions * row * e
-            continue
-        per_boundary = sum(torch.Size(shape).numel() * torch.empty((), dtype=field_dtype).element_size()
-                           for shape, field_dtype in mixer.expected_state(batch, dtype).values())
-        forward, backward = forward + (size - 1) * per_boundary, backward + (size - 1) * per_boundary
-    return forward, backward
 

@@ -4,12 +4,14 @@ sent equal :func:`hybridzoo.parallel.seco.seco_bytes_per_step`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hybridzoo import HybridLM
+from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import context_parallel, shard_sequence
-from hybridzoo.parallel.seco import seco_bytes_per_step
+from hybridzoo.parallel.costs import seco_bytes_per_step
 from hybridzoo.training.seco_engine import seco_step
 from tests.parallel.misc_cases import _all_ranks, count_sent
 from tests.parallel.model_cases import TOL, _rel, six_mixer_config
@@ -29,12 +31,12 @@ def _reference(model, ids, labels):
     return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
 
 
-def _sharded_step(model, ids, labels, chunk_size: int, defer_last: bool, method: str = "scan"):
+def _sharded_step(model, ids, labels, chunk_size: int, defer_last: bool, kv_offload: bool):
     """This rank's SeCO step on its slice; returns (group's summed loss, summed gradients)."""
     model.zero_grad(set_to_none=True)
     batch = {"input_ids": shard_sequence(ids), "labels": shard_sequence(labels)}
-    with context_parallel(method=method):
-        result = seco_step(model, batch, chunk_size, defer_last=defer_last)
+    with context_parallel():
+        result = seco_step(model, batch, chunk_size, defer_last=defer_last, kv_offload=kv_offload)
     if defer_last:
         assert all(p.grad is None for p in model.parameters())
         result.deferred.backward()
@@ -50,13 +52,21 @@ def _sharded_step(model, ids, labels, chunk_size: int, defer_last: bool, method:
 
 def check_seco_exact(rank: int, size: int, local_len: int = 8) -> None:
     """Six mixers, full attention and sliding windows shorter and longer than a slice; chunks
-    that divide the slice and a ragged one; the deferred (Lightning) and the eager form."""
+    that divide the slice and a ragged one; the deferred (Lightning) and the eager form; the K/V
+    stores in host memory (kv_offload; the same device on CPU, the path still runs). SpaCO is
+    refused with a clear error."""
     ids, labels = _batch(size, local_len)
-    for window, chunk_size, defer_last in ((None, 4, False), (3, 3, True), (local_len + 3, 4, True)):
+    torch.manual_seed(0)
+    model = HybridLM(six_mixer_config(None)).double()
+    with context_parallel(), pytest.raises(ContextParallelError, match="SpaCO"):
+        seco_step(model, {"input_ids": shard_sequence(ids), "labels": shard_sequence(labels)}, 4,
+                  spaco_budget=1)
+    cases = ((None, 4, False, True), (3, 3, True, False), (local_len + 3, 4, True, False))
+    for window, chunk_size, defer_last, kv_offload in cases:
         torch.manual_seed(0)
         model = HybridLM(six_mixer_config(window)).double()
         loss_ref, grads_ref = _reference(model, ids, labels)
-        loss, grads = _sharded_step(model, ids, labels, chunk_size, defer_last)
+        loss, grads = _sharded_step(model, ids, labels, chunk_size, defer_last, kv_offload)
         assert abs(float(loss - loss_ref)) < TOL * float(loss_ref), (window, float(loss), float(loss_ref))
         for (name, _), got, want in zip(model.named_parameters(), grads, grads_ref):
             assert _rel(got, want) < TOL, (window, chunk_size, rank, name, _rel(got, want))

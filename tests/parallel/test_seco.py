@@ -1,6 +1,6 @@
 """SeCO composed with context parallelism on 2 and 4 gloo ranks (spawned CPU processes, float64):
 each rank chunks its own slice, and loss and every gradient of a six-mixer hybrid equal the
-single-process full-backprop run to 1e-10; the bytes sent equal the cost formula."""
+single-process full-backprop run to 1e-10; the bytes sent (P = 4) equal the cost formula."""
 
 import pytest
 
@@ -10,7 +10,8 @@ from tests.parallel.spawn import run_ranks
 
 def check_all(rank: int, size: int) -> None:
     check_seco_exact(rank, size)
-    check_seco_costs(rank, size)
+    if size == 4:
+        check_seco_costs(rank, size)
 
 
 @pytest.mark.parametrize("size", [2, 4])
