@@ -564,6 +564,7 @@ def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, 
     embeds_leaf = None
     if embeds is not None and embeds.requires_grad:
         embeds_leaf = embeds.detach().requires_grad_()  # every chunk but the last recomputed one
+
     # ---- stage 2: reverse sweep, one chunk's graph at a time -----------------------------
     relay: dict[int, dict[str, torch.Tensor]] = {}  # Markov state grads from chunk j+1
     relay_from = None
@@ -590,8 +591,9 @@ def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, 
                     states, leaves = layers.leaves(saved[j])
                     for i, (key, value) in stores.items():
                         grad_k, grad_v = kv_grads.get(i, (None, None))
-                        states[i] = BlockKVState(kind="attn", k_buf=key, v_buf=value, capacity=base + length,
-                                                 length=base + start, offset=base + start, block_size=block_size,
+                        states[i] = BlockKVState(kind="attn", k_buf=key, v_buf=value,
+                                                 capacity=base + length, length=base + start,
+                                                 offset=base + start, block_size=block_size,
                                                  read_only=True, k_grad=grad_k, v_grad=grad_v)
                     x = embeds
                     if embeds_leaf is not None and not last:

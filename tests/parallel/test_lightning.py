@@ -95,7 +95,8 @@ def test_lightning_context_parallel_with_seco_same_loss(tmp_path):
     the per-step losses of plain full backprop without context parallelism: the gradients, hence
     the trained weights, are the same."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    callbacks = [{"class_path": "hybridzoo.parallel.lightning.ContextParallelCallback", "init_args": {"size": 2}},
+    callbacks = [{"class_path": "hybridzoo.parallel.lightning.ContextParallelCallback",
+                  "init_args": {"size": 2}},
                  {"class_path": "hybridzoo.training.seco.SeCO",
                   "init_args": {"chunk_size": 4, "progress_every_s": None}}]
     sharded = _fit(tmp_path, "cp-seco", corpus, callbacks, 2)
