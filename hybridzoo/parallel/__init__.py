@@ -8,6 +8,7 @@
 * :mod:`~hybridzoo.parallel.ring_attention` — ring attention, contiguous or zig-zag;
 * :mod:`~hybridzoo.parallel.comm` — point-to-point messages as autograd Functions, shape checks;
 * :mod:`~hybridzoo.parallel.costs` — bytes sent per layer and step;
+* :mod:`~hybridzoo.parallel.seco` — SeCO with each rank chunking its own slice (the rank hand-off);
 * :mod:`~hybridzoo.parallel.lightning` — the Lightning callback (imports Lightning).
 
 See docs/context-parallel.md. Importing this package imports nothing but torch.

@@ -74,6 +74,18 @@ def active() -> ContextParallel | None:
     return _ACTIVE
 
 
+@contextlib.contextmanager
+def suspended():
+    """Inside it, no context is active (the model runs unsharded, e.g. SeCO's chunks of this
+    rank's slice, whose states the SeCO engine hands between ranks itself); restored after."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, None
+    try:
+        yield previous
+    finally:
+        _ACTIVE = previous
+
+
 def _sharded_attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False,
                        backend="auto", cp: ContextParallel):
     from hybridzoo.parallel.ring_attention import ring_attention

@@ -23,6 +23,9 @@ Per model call: the labels' shift sends ``(P − 1) · B · 8`` bytes (one int64
 boundary, forward only). Recurrent traffic does not grow with ``T``; attention's does.
 :func:`model_bytes_per_step` sums these for a :class:`~hybridzoo.zoo.HybridLM`; a test counts the
 bytes the ranks actually send and checks they equal it.
+
+SeCO under context parallelism (:mod:`hybridzoo.parallel.seco`) hands states and K/V from rank to
+rank instead: :func:`seco_bytes_per_step` (formulas in that module's docstring).
 """
 
 from __future__ import annotations
@@ -84,3 +87,32 @@ def model_bytes_per_step(model, size: int, batch: int, local_len: int, method: s
                  for block in model.blocks]
     labels = (size - 1) * batch * 8 if with_labels else 0
     return sum(f for f, _ in per_layer) + labels, sum(b for _, b in per_layer)
+
+
+def seco_bytes_per_step(model, size: int, batch: int, local_len: int, dtype: torch.dtype | None = None,
+                        with_labels: bool = True) -> tuple[int, int]:
+    """``(forward, backward)`` bytes all ranks send together in one context-parallel SeCO step of
+    a ``HybridLM`` with activations in ``dtype`` (default: the parameters'); see
+    :mod:`hybridzoo.parallel.seco`. Forward: stage 1's hand-off and the labels' shift; backward:
+    stage 2's."""
+    dtype = dtype or next(model.parameters()).dtype
+    e = torch.empty((), dtype=dtype).element_size()
+    g = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    forward = (size - 1) * batch * 8 if with_labels else 0
+    backward = 0
+    for block in model.blocks:
+        mixer = block.mixer
+        if mixer.kind == "attn":
+            row = batch * mixer.n_kv_heads * 2 * mixer.head_dim
+            if mixer.config.window is None:
+                positions = size * (size - 1) // 2 * local_len
+                forward, backward = forward + positions * row * e, backward + positions * row * g
+            else:
+                positions = sum(min(mixer.config.window - 1, p * local_len) for p in range(1, size))
+                forward, backward = forward + positions * row * e, backward + positions * row * e
+            continue
+        per_boundary = sum(torch.Size(shape).numel() * torch.empty((), dtype=field_dtype).element_size()
+                           for shape, field_dtype in mixer.expected_state(batch, dtype).values())
+        forward, backward = forward + (size - 1) * per_boundary, backward + (size - 1) * per_boundary
+    return forward, backward
+

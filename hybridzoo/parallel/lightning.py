@@ -16,8 +16,14 @@ training batch the callback
 
 ``train/loss`` as logged by the module is the rank's share; the callback logs the group's sum as
 ``train/loss_cp`` and keeps it in :attr:`ContextParallelCallback.losses`. Validation runs
-unsharded. SeCO is refused: composing it (each rank chunking its own slice with the state passed
-between ranks per chunk) is not implemented.
+unsharded.
+
+With the :class:`~hybridzoo.training.seco.SeCO` callback as well, each rank runs SeCO over its own
+slice (``seco_step`` sees the active context; :mod:`hybridzoo.parallel.seco`): the ranks hand the
+states and K/V on in stage 1 and their gradients back in stage 2, one rank after another, so the
+step is exact but not faster than single-process SeCO; what it saves is memory (a rank holds its
+slice's boundary states and the K/V up to its slice's end). SpaCO (``spaco_budget``) is refused
+with context parallelism.
 """
 
 from __future__ import annotations
@@ -64,9 +70,11 @@ class ContextParallelCallback(Callback):
                 self.group, self.leader = group, start
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if getattr(pl_module, "seco", None) is not None:
-            raise ContextParallelError("ContextParallelCallback together with SeCO is not supported "
-                                       "yet: use one or the other")
+        seco = getattr(pl_module, "seco", None)
+        if seco is not None and getattr(seco, "spaco_budget", None) is not None:
+            raise ContextParallelError("ContextParallelCallback together with SeCO's SpaCO "
+                                       "(spaco_budget) is not supported: use exact SeCO "
+                                       "(spaco_budget: null) or no context parallelism")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         rank = dist.get_rank(self.group)

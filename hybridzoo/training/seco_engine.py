@@ -86,6 +86,9 @@ from torch import nn
 
 from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater
 from hybridzoo.layers.state import MixerState
+from hybridzoo.parallel.comm import ContextParallelError
+from hybridzoo.parallel.context import _sharded_shift_labels, suspended
+from hybridzoo.parallel.seco import RankLink
 from hybridzoo.utils import rel_err
 from hybridzoo.zoo.model import lm_loss, shift_labels
 
@@ -198,8 +201,9 @@ def check_options(chunk_size: int, spaco_budget: int | None = None, block_size: 
         raise error(f"SeCO: loss_slice must be None or an int >= 1, got {loss_slice!r}")
 
 
-def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """``(input_ids, inputs_embeds, targets)`` with targets aligned to the logits."""
+def _inputs(batch, cp=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``(input_ids, inputs_embeds, targets)`` with targets aligned to the logits (``cp``: the
+    labels are this rank's slice; its last target is the next rank's first label)."""
     if not isinstance(batch, dict):
         raise SeCOError(f"SeCO: batch must be a dict with input_ids (or inputs_embeds) and labels "
                         f"(or targets), got {type(batch).__name__}")
@@ -211,7 +215,7 @@ def _inputs(batch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tens
         raise SeCOError("SeCO: the batch must hold exactly one of labels (shifted inside, as in "
                         "Hugging Face) and targets (aligned with the logits)")
     if labels is not None:  # shift over the WHOLE sequence before chunking
-        targets = shift_labels(labels)
+        targets = shift_labels(labels) if cp is None else _sharded_shift_labels(labels, cp)
     shape = (ids if ids is not None else embeds).shape[:2]
     if targets.shape != shape:
         raise SeCOError(f"SeCO: labels/targets must be [B, T] = {list(shape)}, got {list(targets.shape)}")
@@ -407,7 +411,7 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
 
 def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
                     loss_slice: int = LOSS_SLICE, on_chunk=None, with_loss=None, run_last: bool = True,
-                    progress=None):
+                    progress=None, initial=None):
     """Stage 1 (call under no_grad): returns (summed loss, final states, saved boundary states,
     RNG states), ``saved[j]`` / ``rngs[j]`` being those entering chunk j. The summed loss is that
     of the chunks ``with_loss`` marks (default all; None when none), computed ``loss_slice`` tokens
@@ -415,8 +419,9 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
     output before the LM head (``layers.head`` makes the logits of it). ``run_last=False``
     records the last chunk's incoming states and RNG state but does not run it: nothing of its
     forward is needed when stage 2 recomputes it (no later chunk reads its states or K/V).
-    ``progress("stage 1", done, total)`` comes first with ``done = 0``, then after each chunk run."""
-    states = layers.initial()
+    ``progress("stage 1", done, total)`` comes first with ``done = 0``, then after each chunk run.
+    ``initial``: the states entering chunk 0 (default: those of a sequence's start)."""
+    states = layers.initial() if initial is None else initial
     runs = len(bounds) - (0 if run_last else 1)
     if progress is not None:
         progress("stage 1", 0, runs)
@@ -424,7 +429,7 @@ def _forward_chunks(model, layers: _Layers, ids, embeds, targets, bounds,
     device = layers.device
     for j, (start, end) in enumerate(bounds):
         rngs.append(_get_rng(device))
-        saved.append(layers.save(states) if j > 0 else [None] * len(states))
+        saved.append(layers.save(states) if j > 0 or initial is not None else [None] * len(states))
         if j == len(bounds) - 1 and not run_last:
             break
         hidden, states = _call(model, layers, ids, embeds, start, end, states)
@@ -480,13 +485,30 @@ def seco_step(
             ``("stage 1", 0, total)`` as the step starts, then after each chunk; e.g. a
             :class:`ProgressLog`. The engine does not synchronize the device for it.
 
+    Under :func:`~hybridzoo.parallel.context.context_parallel`, ``batch`` is this rank's
+    contiguous slice and the step is this rank's share (loss and gradient; the shares sum to the
+    whole sequence's), the ranks handing states and K/V between them
+    (:mod:`hybridzoo.parallel.seco`); SpaCO is refused there.
+
     Returns:
         :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``
         like ``loss.backward()`` would.
     """
+    with suspended() as cp:  # the chunks run unsharded; the rank hand-off is explicit
+        return _step(model, batch, chunk_size, cp, kv_offload=kv_offload, spaco_budget=spaco_budget,
+                     selection=selection, generator=generator, no_sync=no_sync, defer_last=defer_last,
+                     block_size=block_size, loss_slice=loss_slice, progress=progress)
+
+
+def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, generator, no_sync,
+          defer_last, block_size, loss_slice, progress) -> SeCOResult:
+    """:func:`seco_step`; ``cp``: the context-parallel context it was called in, or None."""
     check_options(chunk_size, spaco_budget, block_size, loss_slice=loss_slice)
     inner = _unwrap(model)
-    ids, embeds, targets = _inputs(batch)
+    if cp is not None and spaco_budget is not None:
+        raise ContextParallelError("SeCO with context parallelism: SpaCO (spaco_budget) is not "
+                                   "supported; use exact SeCO (spaco_budget=None) or no context parallelism")
+    ids, embeds, targets = _inputs(batch, cp)
     if ids is not None:
         inner.check_ids(ids)  # once for the whole sequence (the chunk calls skip it)
     batch_size, length = targets.shape
@@ -494,10 +516,19 @@ def seco_step(
     k = len(bounds)
     device = next(inner.parameters()).device
     block_size = block_size or chunk_size
+    link = None  # context parallelism: the hand-off to the neighbouring ranks
+    if cp is not None:
+        link = RankLink(cp, inner, batch_size, length, _activation_dtype(inner, device), device)
+        if cp.check:
+            link.check(ids if ids is not None else embeds)
+    base = 0 if link is None else link.prefix  # position of this slice's first token
     if kv_offload:
-        _check_offload(inner, batch_size, length, k, _activation_dtype(inner, device))
-    count = (targets != -100).sum().clamp(min=1)  # the global denominator of the mean
-    layers = _Layers(inner, length, block_size, kv_offload, device)
+        _check_offload(inner, batch_size, base + length, k, _activation_dtype(inner, device))
+    if link is None:
+        count = (targets != -100).sum().clamp(min=1)  # the global denominator of the mean
+    else:
+        count = link.count(targets)
+    layers = _Layers(inner, base + length, block_size, kv_offload, device)
     loss_slice = loss_slice or chunk_size
 
     # which chunks stage 2 recomputes (SpaCO draws them): their losses come from stage 2's
@@ -506,11 +537,15 @@ def seco_step(
 
     # ---- stage 1: no-grad pass building the K/V stores and the boundary states ----------
     # (the last chunk only when SpaCO skips it, for its loss; stage 2 recomputes it otherwise)
-    run_last = weights[-1] == 0
+    # (and on every rank but the last under context parallelism: the next rank starts from it)
+    run_last = weights[-1] == 0 or (link is not None and link.sends_states)
     with torch.no_grad():
+        initial = None if link is None else link.incoming_states(block_size, layers.host, layers.pin)
         total, final_states, saved, rngs = _forward_chunks(
             model, layers, ids, None if embeds is None else embeds.detach(), targets, bounds, loss_slice,
-            with_loss=[w == 0 for w in weights], run_last=run_last, progress=progress)
+            with_loss=[w == 0 for w in weights], run_last=run_last, progress=progress, initial=initial)
+        if link is not None and link.sends_states:
+            link.send_end_states(final_states)
     stores = {i: (state.k_buf, state.v_buf) for i, state in enumerate(final_states)
               if isinstance(state, BlockKVState)}
     del final_states
@@ -529,13 +564,18 @@ def seco_step(
     embeds_leaf = None
     if embeds is not None and embeds.requires_grad:
         embeds_leaf = embeds.detach().requires_grad_()  # every chunk but the last recomputed one
-    kv_grads = {i: tuple(torch.zeros(store.shape, dtype=torch.promote_types(store.dtype, torch.float32),
-                                     device=device) for store in pair)
-                for i, pair in stores.items()} if len(order) > 1 else {}
 
     # ---- stage 2: reverse sweep, one chunk's graph at a time -----------------------------
     relay: dict[int, dict[str, torch.Tensor]] = {}  # Markov state grads from chunk j+1
     relay_from = None
+    if link is not None:  # the next rank's gradients of this slice's end states and K/V
+        relay, kv_grads = link.incoming_grads(stores)
+        relay_from = k
+    else:
+        kv_grads = {i: tuple(torch.zeros(store.shape, dtype=torch.promote_types(store.dtype, torch.float32),
+                                         device=device) for store in pair)
+                    for i, pair in stores.items()} if len(order) > 1 else {}
+    later = link is not None and link.sends_states  # later ranks read this slice's states and K/V
     deferred = None
     try:
         with torch.enable_grad():
@@ -551,8 +591,9 @@ def seco_step(
                     states, leaves = layers.leaves(saved[j])
                     for i, (key, value) in stores.items():
                         grad_k, grad_v = kv_grads.get(i, (None, None))
-                        states[i] = BlockKVState(kind="attn", k_buf=key, v_buf=value, capacity=length,
-                                                 length=start, offset=start, block_size=block_size,
+                        states[i] = BlockKVState(kind="attn", k_buf=key, v_buf=value,
+                                                 capacity=base + length, length=base + start,
+                                                 offset=base + start, block_size=block_size,
                                                  read_only=True, k_grad=grad_k, v_grad=grad_v)
                     x = embeds
                     if embeds_leaf is not None and not last:
@@ -566,7 +607,8 @@ def seco_step(
                     if weight > 0:  # (a DDP-only pass of a skipped chunk has weight 0: loss from stage 1)
                         total = summed if total is None else total + summed
                     for i, state in enumerate(out_states):
-                        for name, tensor, grad in _relayed(i, state, relay, kv_grads, start, end, j < k - 1):
+                        for name, tensor, grad in _relayed(i, state, relay, kv_grads, base + start,
+                                                           base + end, j < k - 1 or later):
                             if tensor.requires_grad and grad is not None and tensor.numel():
                                 tensors.append(tensor)
                                 grads.append(grad.to(tensor.dtype) * weight if weight != 1 else grad.to(tensor.dtype))
@@ -574,7 +616,7 @@ def seco_step(
                         tensors.append(embeds)  # the other chunks' share of d(inputs_embeds)
                         grads.append(embeds_leaf.grad)
                     del out_states, states, hidden
-                    if last and defer_last:
+                    if last and defer_last and link is None:  # (the hand-off needs it now)
                         deferred = _deferred(tensors, grads, params, (total / count).detach())
                         if progress is not None:  # its backward is the caller's
                             progress("stage 2", n + 1, len(order))
@@ -589,7 +631,9 @@ def seco_step(
                          for i, layer in enumerate(leaves) if layer}
                 relay_from = j
                 del leaves
-            if defer_last and deferred is None:  # SpaCO selected nothing
+            if link is not None:
+                link.send_grads(relay, kv_grads)  # of this slice's incoming states and K/V prefix
+            if defer_last and deferred is None:  # SpaCO selected nothing, or context parallelism
                 deferred = _deferred([], [], params, (total / count).detach())
     finally:
         _set_rng(device, end_rng)
@@ -693,7 +737,7 @@ def check_chunked_forward(
     devices = [device] if device.type == "cuda" else []
     try:
         inner.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), suspended():  # local, unsharded
             layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
             full_hidden, _ = _call(model, layers, ids, embeds, 0, tokens, None)
             full = [out.pop() for out in outputs]

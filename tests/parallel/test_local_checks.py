@@ -25,9 +25,10 @@ def test_uneven_split_names_the_fix():
         split_evenly(10, 4, "x")
 
 
-def test_lightning_callback_refuses_seco():
-    with pytest.raises(ContextParallelError, match="SeCO is not supported"):
-        ContextParallelCallback().on_train_start(None, SimpleNamespace(seco=object()))
+def test_lightning_callback_refuses_spaco_but_not_seco():
+    ContextParallelCallback().on_train_start(None, SimpleNamespace(seco=SimpleNamespace(spaco_budget=None)))
+    with pytest.raises(ContextParallelError, match="SpaCO"):
+        ContextParallelCallback().on_train_start(None, SimpleNamespace(seco=SimpleNamespace(spaco_budget=2)))
 
 
 def test_lightning_callback_needs_distributed():
