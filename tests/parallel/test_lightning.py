@@ -76,34 +76,19 @@ def _fit(tmp: Path, name: str, corpus: Path, callbacks: list, devices: int, repl
 
 
 @pytest.mark.slow
-def test_lightning_context_parallel_same_loss(tmp_path):
+def test_lightning_context_parallel_with_and_without_seco_same_loss(tmp_path):
+    """On 2 CPU processes, context parallelism alone and together with SeCO (each rank's 8 tokens
+    in 2 chunks of 4) give the per-step losses of the plain single-process run on the same
+    batches: the gradients, hence the trained weights, are the same."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    cp = [{"class_path": "hybridzoo.parallel.lightning.ContextParallelCallback", "init_args": {"size": 2}}]
-    sharded = _fit(tmp_path, "cp", corpus, cp, 2)
+    cp = {"class_path": "hybridzoo.parallel.lightning.ContextParallelCallback", "init_args": {"size": 2}}
+    seco = {"class_path": "hybridzoo.training.seco.SeCO", "init_args": {"chunk_size": 4, "progress_every_s": None}}
+    sharded = {"cp": _fit(tmp_path, "cp", corpus, [cp], 2),
+               "cp+seco": _fit(tmp_path, "cp-seco", corpus, [cp, seco], 2)}
     plain = _fit(tmp_path, "plain", corpus, [], 1, replay=str(tmp_path / "cp.json"))
-    assert plain["batches"] == sharded["batches"]
-    plain, sharded = plain["losses"], sharded["losses"]
-    assert len(plain) == len(sharded) == 3
-    assert plain[0] != plain[-1]  # it trained
-    for a, b in zip(plain, sharded):
-        assert abs(a - b) < 1e-10 * abs(a), (plain, sharded)
-
-
-@pytest.mark.slow
-def test_lightning_context_parallel_with_seco_same_loss(tmp_path):
-    """Context parallelism + SeCO (each rank's 8 tokens in 2 chunks of 4) on 2 CPU processes gives
-    the per-step losses of plain full backprop without context parallelism: the gradients, hence
-    the trained weights, are the same."""
-    corpus = write_corpus(tmp_path / "corpus.jsonl")
-    callbacks = [{"class_path": "hybridzoo.parallel.lightning.ContextParallelCallback",
-                  "init_args": {"size": 2}},
-                 {"class_path": "hybridzoo.training.seco.SeCO",
-                  "init_args": {"chunk_size": 4, "progress_every_s": None}}]
-    sharded = _fit(tmp_path, "cp-seco", corpus, callbacks, 2)
-    plain = _fit(tmp_path, "plain", corpus, [], 1, replay=str(tmp_path / "cp-seco.json"))
-    assert plain["batches"] == sharded["batches"]
-    plain, sharded = plain["losses"], sharded["losses"]
-    assert len(plain) == len(sharded) == 3
-    assert plain[0] != plain[-1]  # it trained
-    for a, b in zip(plain, sharded):
-        assert abs(a - b) < 1e-10 * abs(a), (plain, sharded)
+    assert len(plain["losses"]) == 3 and plain["losses"][0] != plain["losses"][-1]  # it trained
+    for name, run in sharded.items():
+        assert run["batches"] == plain["batches"], name
+        assert len(run["losses"]) == 3
+        for a, b in zip(plain["losses"], run["losses"]):
+            assert abs(a - b) < 1e-10 * abs(a), (name, plain["losses"], run["losses"])
