@@ -474,7 +474,7 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     pairs = sorted({k[:4] for k in runs if k[4] == "hybridzoo" and (*k[:4], "reference") in runs})
     if not pairs:
         return []
-    curve = lambda r: " ".join(f"{p['accuracy']:.2f}" for p in r["curve"])  # noqa: E731
+    curve = lambda r: " ".join(f"{p['accuracy']:.2f}" for p in r.get("curve", []))  # noqa: E731
     lines = ["## paired runs (same seed, same data)", "",
              "| setting | recipe | lr | seed | first loss hybridzoo / reference | best accuracy hybridzoo / reference "
              "| accuracy per evaluation, hybridzoo | reference |", "|---|---|---:|---:|---|---|---|---|"]

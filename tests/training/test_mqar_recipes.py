@@ -194,3 +194,40 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         bench.plot_results(fake_results(), tmp_path / "plot.png")
+
+
+def test_runs_cut_by_the_time_limit_are_left_out_of_the_medians():
+    rows = fake_results()["runs"]
+    cut = [dict(r, accuracy=0.0, stopped="time limit 10 s") for r in rows
+           if r["recipe"] == "mqar-gdn-l" and r["impl"] == "reference" and r["lr"] == 3e-3]
+    before = next(s for s in bench.summarize(rows) if s["recipe"] == "mqar-gdn-l" and s["impl"] == "reference")
+    after = next(s for s in bench.summarize(rows + cut) if s["recipe"] == "mqar-gdn-l" and s["impl"] == "reference")
+    assert after == before
+
+
+def test_paired_table_lines_up_the_two_implementations_of_a_seed():
+    rows = [{"setting": "gpu", "recipe": "mqar-gdn-l", "variant": "", "impl": impl, "lr": 3e-3, "seed": 1,
+             "status": "ok", "steps": 500, "accuracy": acc, "first_loss": loss,
+             "curve": [{"accuracy": acc / 2}, {"accuracy": acc}], **extra}
+            for impl, acc, loss, extra in (("hybridzoo", 0.9, 9.1, {}),
+                                           ("reference", 0.5, 9.2, {"stopped": "time limit 200 s"}))]
+    rows.append(dict(rows[0], variant="-decay_init=multiscale", accuracy=0.1))  # a variant has no pair
+    lines = bench.paired_table(rows)
+    (row,) = [line for line in lines if line.startswith("| gpu |")]
+    assert row.split("|")[1:-1] == [" gpu ", " mqar-gdn-l ", " 0.003 ", " 1 ", " 9.1 / 9.2 ",
+                                    " 0.900 / 0.500 (cut at 500 steps: time limit 200 s) ", " 0.45 0.90 ",
+                                    " 0.25 0.50 "]
+
+
+def test_set_overrides_the_hybridzoo_mixer_and_names_the_run(tmp_path):
+    spec = dict(bench.SETTINGS["cpu-smoke"], overrides={"gdn.decay_init": "multiscale"})
+    model, config = bench.build_model("mqar-gdn-l", "hybridzoo", spec, seed=0)
+    assert config.gdn.decay_init == "multiscale"
+    plain, _ = bench.build_model("mqar-gdn-l", "hybridzoo", bench.SETTINGS["cpu-smoke"], seed=0)
+    assert not torch.equal(model.blocks[0].mixer.A_log, plain.blocks[0].mixer.A_log)
+    args = bench.parse_args(["--setting", "cpu-smoke", "--kinds", "gdn,attn", "--sizes", "l", "--seeds", "0",
+                             "--lrs", "3e-3", "--out-dir", str(tmp_path)])
+    jobs, _ = bench.plan(args, spec, "cpu", tmp_path)
+    names = sorted(job["id"] for job in jobs)
+    assert names == ["cpu-smoke-mqar-attn-l-hybridzoo-lr0.003-s0", "cpu-smoke-mqar-attn-l-reference-lr0.003-s0",
+                     "cpu-smoke-mqar-gdn-l-decay_init=multiscale-hybridzoo-lr0.003-s0"]
