@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import hybridzoo.kernels as K
+from benchmarks.fla_backward import allow_fla_gated_backward
 from benchmarks.meta import run_metadata, write_json
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule
 from hybridzoo.utils import rel_err
@@ -82,11 +83,10 @@ def rand(*shape, dtype=torch.bfloat16, requires_grad=True, scale=1.0):
 
 
 def case_linear_attn(B, T, H, D, per_key):
-    import fla.ops.common.chunk_o as chunk_o
     from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # fla 0.6 refuses its gated backward on Hopper + Triton < 3.7.1
+    allow_fla_gated_backward()
     q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)
     shape = (B, T, H, D) if per_key else (B, T, H)
     log_a = (-torch.rand(*shape, device=DEV) * 0.1).requires_grad_(True)
@@ -98,10 +98,9 @@ def case_linear_attn(B, T, H, D, per_key):
 
 
 def case_delta_rule(B, T, H, D):
-    import fla.ops.common.chunk_o as chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    chunk_o.TRITON_ABOVE_3_7_1 = True
+    allow_fla_gated_backward()
     q, v = rand(B, T, H, D), rand(B, T, H, D)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_(True)
     log_a = (-torch.rand(B, T, H, device=DEV) * 0.1).requires_grad_(True)

@@ -100,6 +100,9 @@ def _llama(config: HybridConfig) -> tuple[nn.Module, str]:
 def _fla(model_class: str, config_class: str, fields: Callable[[HybridConfig], dict]):
     def build(config: HybridConfig) -> tuple[nn.Module, str]:
         models = _require("fla.models", "flash-linear-attention")
+        from benchmarks.fla_backward import allow_fla_gated_backward
+
+        allow_fla_gated_backward()  # the peer trains: its gated backward must run
         common = dict(vocab_size=config.vocab_size, hidden_size=config.d_model, num_hidden_layers=config.n_layers,
                       intermediate_size=config.mlp_width, norm_eps=config.norm_eps,
                       tie_word_embeddings=config.tie_embeddings)
@@ -310,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"batch": args.batch, "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup,
                            "steps": args.steps, "weights": "float32", "autocast": "bf16" if device.type == "cuda"
                            else None, "optimizer": "AdamW (fused on CUDA), lr 1e-4", "data": "random tokens",
-                           "order": "ours, peer, ours, peer, ... (interleaved repetitions)", "cpu_smoke": args.cpu_smoke}}
+                           "order": "ours, peer, ours, peer, ... (interleaved repetitions)", "cpu_smoke": args.cpu_smoke,
+                           "fla": "gated backward allowed on Triton < 3.7 (fla.ops.common.chunk_o."
+                                  "TRITON_ABOVE_3_7_1 = True)"}}
     rows = []
     for tokens in lengths:
         for pair in pairs:

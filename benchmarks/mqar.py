@@ -139,17 +139,6 @@ def reference_skip_reason(kind: str, device: str) -> str | None:
     return None
 
 
-def allow_fla_gated_backward() -> None:
-    """fla 0.6 refuses the backward of its gated chunk kernels on Hopper with Triton < 3.7.1;
-    the reference rows are trained with that check lifted (``fla.ops.common.chunk_o.
-    TRITON_ABOVE_3_7_1 = True``), and the results' settings say so."""
-    import triton
-    from fla.ops.common import chunk_o
-
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
-        chunk_o.TRITON_ABOVE_3_7_1 = True
-
-
 class ReferenceMixer:
     """Factory of an ``nn.Module`` that holds a reference layer in a hybridzoo ``Block``:
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], None)`` (no state: training only)."""
@@ -162,6 +151,8 @@ class ReferenceMixer:
         d = config.d_model
         c = getattr(config, kind)
         if kind in ("gdn", "gla", "retnet"):
+            from benchmarks.fla_backward import allow_fla_gated_backward
+
             allow_fla_gated_backward()
         if kind == "gdn":
             from fla.layers import GatedDeltaNet
@@ -543,9 +534,9 @@ def collect(results: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
 def metadata() -> dict[str, Any]:
     import platform
 
-    from hybridzoo.utils import run_metadata
+    from benchmarks.meta import run_metadata
 
-    run = run_metadata(("triton", "fla", "mamba_ssm", "transformers"))
+    run = run_metadata(("fla", "mamba_ssm", "transformers"))
     return {"commit": run["commit"], "dirty": run["dirty"], "torch": run["versions"]["torch"],
             "versions": run["versions"], "platform": platform.platform(), "argv": sys.argv[1:]}
 
