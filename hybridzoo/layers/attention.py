@@ -410,3 +410,9 @@ class Attention(Mixer):
             v_buf[:, :keep] = torch.cat(parts_v, dim=1)
         return KVState(kind=self.kind, k_buf=k_buf, v_buf=v_buf, start=0, length=keep,
                        offset=offset, high_water=_HighWater(keep))
+
+
+def is_full_attention(mixer: nn.Module) -> bool:
+    """True for an :class:`Attention` mixer without a window: its state keeps every position
+    (``keep`` None), so chunked training (SeCO) gives it a K/V store instead of a Markov state."""
+    return isinstance(mixer, Attention) and mixer.keep is None

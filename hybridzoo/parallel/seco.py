@@ -53,18 +53,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater
+from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater, is_full_attention
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.parallel.comm import ContextParallelError, check_same_shapes, exchange
 from hybridzoo.parallel.context import ContextParallel
 
 
-def _is_full(block) -> bool:
-    return isinstance(block.mixer, Attention) and block.mixer.config.window is None
-
-
 def _window_keep(mixer, prefix: int) -> int:
-    return min(mixer.config.window - 1, prefix)
+    return min(mixer.keep, prefix)
 
 
 class RankLink:
@@ -110,8 +106,8 @@ class RankLink:
         for i, block in enumerate(self.blocks):
             mixer = block.mixer
             if isinstance(mixer, Attention):
-                n = prefix if _is_full(block) else _window_keep(mixer, prefix)
-                names = ("k_store", "v_store") if _is_full(block) else ("k_buf", "v_buf")
+                n = prefix if is_full_attention(block.mixer) else _window_keep(mixer, prefix)
+                names = ("k_store", "v_store") if is_full_attention(block.mixer) else ("k_buf", "v_buf")
                 for name in names:
                     out.append((i, name, (B, n, mixer.n_kv_heads, mixer.head_dim), self.dtype))
             else:
@@ -143,7 +139,7 @@ class RankLink:
         states = []
         for i, block in enumerate(self.blocks):
             mixer = block.mixer
-            if _is_full(block):
+            if is_full_attention(block.mixer):
                 bufs = []
                 for name in ("k_store", "v_store"):
                     part = got[i, name]
@@ -186,14 +182,10 @@ class RankLink:
                     yield getattr(state, name)
 
     # ---- stage 2 ------------------------------------------------------------------------------
-    def incoming_grads(self, stores: dict) -> tuple[dict, dict]:
-        """From rank ``p + 1``: ``(relay, kv_grads)``: the gradients of this slice's end Markov
-        states (``{block: {field: grad}}``, SeCO's relay into its last chunk) and the K/V gradient
-        buffers ``{block: (dK, dV)}`` ``[B, (p + 1) T, Hk, D]`` (zeros on the last rank)."""
-        if not self.sends_states:
-            kv = {i: tuple(torch.zeros(s.shape, dtype=torch.promote_types(s.dtype, torch.float32),
-                                       device=self.device) for s in pair) for i, pair in stores.items()}
-            return {}, kv
+    def incoming_grads(self) -> tuple[dict, dict]:
+        """From rank ``p + 1`` (every rank but the last): ``(relay, kv_grads)``: the gradients of
+        this slice's end Markov states (``{block: {field: grad}}``, SeCO's relay into its last
+        chunk) and the K/V gradient buffers ``{block: (dK, dV)}`` ``[B, (p + 1) T, Hk, D]``."""
         got = self._recv(self._fields(self.capacity), self.rank + 1, grad=True)
         relay, kv = {}, {}
         for (i, name), grad in got.items():

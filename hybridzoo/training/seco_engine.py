@@ -84,7 +84,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater
+from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWater, is_full_attention
 from hybridzoo.layers.state import MixerState
 from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import _sharded_shift_labels, suspended
@@ -173,7 +173,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _is_full_attention(block: nn.Module) -> bool:
-    return isinstance(block.mixer, Attention) and block.mixer.config.window is None
+    return is_full_attention(block.mixer)
 
 
 def _activation_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
@@ -568,13 +568,14 @@ def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, 
     # ---- stage 2: reverse sweep, one chunk's graph at a time -----------------------------
     relay: dict[int, dict[str, torch.Tensor]] = {}  # Markov state grads from chunk j+1
     relay_from = None
-    if link is not None:  # the next rank's gradients of this slice's end states and K/V
-        relay, kv_grads = link.incoming_grads(stores)
+    if link is not None:
         relay_from = k
-    else:
+    if link is not None and link.sends_states:  # the next rank's gradients of this slice's end states and K/V
+        relay, kv_grads = link.incoming_grads()
+    else:  # K/V gradients accumulate from zero (needed once a later chunk, or rank, reads the stores)
         kv_grads = {i: tuple(torch.zeros(store.shape, dtype=torch.promote_types(store.dtype, torch.float32),
                                          device=device) for store in pair)
-                    for i, pair in stores.items()} if len(order) > 1 else {}
+                    for i, pair in stores.items()} if len(order) > 1 or link is not None else {}
     later = link is not None and link.sends_states  # later ranks read this slice's states and K/V
     deferred = None
     try:
