@@ -4,20 +4,23 @@ Each pair runs in this one process on one GPU: hybridzoo's model and the peer of
 (fla's GLA, GatedDeltaNet and RetNet models; mamba_ssm's Mamba-1 and Mamba-2; transformers' Llama
 with SDPA against an all-attention hybridzoo model; Samba and Qwen3.5 against transformers'
 implementations where the installed transformers has them). Settings: fp32 weights, bf16 autocast,
-fused AdamW, random tokens, batch ``--batch`` (8) at each of ``--lengths`` (2048, 8192).
+fused AdamW, random tokens, at each of ``--lengths`` (2048, 8192) with ``--tokens-per-step`` (16384)
+tokens per step: batch 8 at T 2048, batch 2 at T 8192 (``--batch`` fixes the batch instead).
 
 The two models take turns, ours, peer, ours, peer, ... for ``--repeats`` (>= 3) repetitions. A
 repetition builds the model, runs ``--warmup`` steps then ``--steps`` timed steps, and frees it;
 it records tokens/s over the timed steps, the peak of ``torch.cuda.max_memory_allocated`` over the
 whole repetition and, in the first repetition, the time from building the model to the end of
 its first step (a cold start: compilation and autotuning included; keep ``TRITON_CACHE_DIR``
-empty to measure it cold). Each ratio (ours / peer) is the median over repetitions, with its
+empty to measure it cold). ``--first-step`` runs each side once, to the end of its first step only:
+the cold-start figure, and a way to fill Triton's cache before the timed run. Each ratio (ours / peer) is the median over repetitions, with its
 minimum and maximum. A peer whose package is missing is skipped with a message naming it.
 Autotuners' choices are cached with Triton's compiled kernels (``TRITON_CACHE_AUTOTUNING=1``
 unless set), so a second run on the same machine skips fla's minutes of autotuning.
 
     python -m benchmarks models --out results/models.json
     python -m benchmarks models --pairs gla-340m,attn-340m --lengths 2048 --repeats 3
+    python -m benchmarks models --first-step --pairs gla-340m --lengths 2048     # cold start only
     python -m benchmarks models --cpu-smoke --out /tmp/models-smoke.json     # tiny shapes on a CPU
 """
 
@@ -30,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -204,7 +208,8 @@ def measure(build: Callable[[], tuple[nn.Module, str]], batch: int, tokens: int,
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     torch.manual_seed(seed)
-    model, kind = build()
+    with device:  # parameters are made (and initialised) on the device itself
+        model, kind = build()
     model = model.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     generator = torch.Generator().manual_seed(seed)
@@ -235,16 +240,34 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
 
+def batch_for(tokens: int, args: argparse.Namespace) -> int:
+    """The batch at sequence length ``tokens``: ``--batch`` if given, else ``--tokens-per-step // tokens``."""
+    if args.batch:
+        return args.batch
+    if tokens > args.tokens_per_step:
+        raise ValueError(f"models: T {tokens} is longer than --tokens-per-step {args.tokens_per_step}; "
+                         "raise --tokens-per-step or give --batch")
+    return args.tokens_per_step // tokens
+
+
 def run_pair(pair: Pair, tokens: int, args: argparse.Namespace, device: torch.device, log=print) -> dict:
     """Interleaved repetitions of ours and the peer at one length; the row of the JSON."""
     config = pair.ours(args.cpu_smoke)
-    row = {"pair": pair.name, "tokens": tokens, "batch": args.batch, "peer": pair.peer_name,
+    batch = batch_for(tokens, args)
+    row = {"pair": pair.name, "tokens": tokens, "batch": batch, "peer": pair.peer_name,
            "ours_config": config.to_dict()}
     ours = lambda: (HybridLM(config), "hybridzoo")  # noqa: E731
     try:
         if device.type == "cpu" and not pair.peer_on_cpu:
             raise PeerMissing(f"{pair.peer_name} runs on CUDA only")
-        pair.peer(config)  # fail fast when the peer is missing (the model is built again per repetition)
+        try:  # fail fast when the peer is missing (on the meta device: nothing allocated)
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pair.peer(config)
+        except PeerMissing:
+            raise
+        except Exception:  # noqa: BLE001 - a peer that cannot be built on meta is built per repetition
+            pass
         peer = lambda: pair.peer(config)  # noqa: E731
     except PeerMissing as error:
         log(f"models: {pair.name}: peer skipped: {error}")
@@ -255,7 +278,7 @@ def run_pair(pair: Pair, tokens: int, args: argparse.Namespace, device: torch.de
             if build is None:
                 continue
             try:
-                runs[who].append(measure(build, args.batch, tokens, args.warmup, args.steps, device, seed=repeat))
+                runs[who].append(measure(build, batch, tokens, args.warmup, args.steps, device, seed=repeat))
             except torch.OutOfMemoryError:
                 runs[who].append({"error": "out of memory"})
             except Exception as error:  # one side failing must not lose the other
@@ -273,21 +296,50 @@ def run_pair(pair: Pair, tokens: int, args: argparse.Namespace, device: torch.de
     return row
 
 
+def table(rows: list[dict]) -> str:
+    """The short table printed last: medians of each side, the ratios (min-max), first steps."""
+    def med(runs, key):
+        values = [r[key] for r in runs if "error" not in r and r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    lines = [f"{'pair':20s} {'T':>5s} {'B':>2s} {'ours tok/s':>11s} {'peer tok/s':>11s} {'ratio (min-max)':>17s} "
+             f"{'ours GiB':>8s} {'peer GiB':>8s} {'mem':>5s} {'1st step s':>11s}  peer"]
+    for row in rows:
+        ours, peer = row.get("ours", []), row.get("peer_runs", [])
+        tps, mem = row.get("ratio_tokens_per_s"), row.get("ratio_peak_memory")
+        text = f"{tps['median']:.2f} ({tps['min']:.2f}-{tps['max']:.2f})" if tps else "-"
+        first = "/".join(f"{r['first_step_s']:.0f}" if "error" not in r else "x" for r in (ours[:1] + peer[:1]))
+        lines.append(f"{row['pair']:20s} {row['tokens']:5d} {row['batch']:2d} {med(ours, 'tokens_per_s'):11,.0f} "
+                     f"{med(peer, 'tokens_per_s'):11,.0f} {text:>17s} {med(ours, 'peak_bytes') / 2**30:8.1f} "
+                     f"{med(peer, 'peak_bytes') / 2**30:8.1f} {mem['median'] if mem else float('nan'):5.2f} "
+                     f"{first:>11s}  " + (row.get("peer_skipped") or row["peer"])
+                     + "".join(f" [{who}: {r['error'][:80]}]" for who, runs in (("ours", ours), ("peer", peer))
+                               for r in runs[:1] if "error" in r))
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks models", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--pairs", default=None, help=f"comma-separated subset of {', '.join(PAIRS)} (default: all)")
     parser.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths (default 2048,8192)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step at every length "
+                        "(default: --tokens-per-step / T)")
+    parser.add_argument("--tokens-per-step", type=int, default=16384, help="tokens per step when --batch is not "
+                        "given (default 16384: B 8 x T 2048, B 2 x T 8192)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each side (>= 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per repetition")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/<date>-models.json)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes of every pair on a CPU (B2 T64, "
                         "1 + 1 steps): every code path, no timing worth reading")
+    parser.add_argument("--first-step", action="store_true", help="each side once, to the end of its first step "
+                        "(the cold-start figure; also fills Triton's cache for a timed run)")
     args = parser.parse_args(argv)
-    if args.repeats < 3 and not args.cpu_smoke:
+    if args.first_step:
+        args.repeats, args.warmup, args.steps = 1, 0, 1
+    elif args.repeats < 3 and not args.cpu_smoke:
         parser.error(f"--repeats must be at least 3 (each ratio is a median over repetitions), got {args.repeats}")
     unknown = set((args.pairs or "").split(",")) - set(PAIRS) - {""}
     if unknown:
@@ -301,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         args.pairs = args.pairs or SMOKE_PAIRS
         args.lengths, args.batch, args.warmup, args.steps = "64", 2, 1, 1
+        args.first_step = False
     elif not torch.cuda.is_available():
         print("models: no CUDA device; use --cpu-smoke on a CPU", file=sys.stderr)
         return 2
@@ -310,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [PAIRS[name] for name in (args.pairs or ",".join(PAIRS)).split(",") if name]
     lengths = [int(t) for t in args.lengths.split(",") if t]
     header = {**run_metadata(("fla", "mamba_ssm", "causal_conv1d", "transformers")),
-              "settings": {"batch": args.batch, "lengths": lengths, "repeats": args.repeats, "warmup": args.warmup,
+              "settings": {"batch": {t: batch_for(t, args) for t in lengths}, "lengths": lengths,
+                           "first_step_only": args.first_step, "repeats": args.repeats, "warmup": args.warmup,
                            "steps": args.steps, "weights": "float32", "autocast": "bf16" if device.type == "cuda"
                            else None, "optimizer": "AdamW (fused on CUDA), lr 1e-4", "data": "random tokens",
                            "order": "ours, peer, ours, peer, ... (interleaved repetitions)", "cpu_smoke": args.cpu_smoke,
@@ -321,11 +375,6 @@ def main(argv: list[str] | None = None) -> int:
         for pair in pairs:
             rows.append(run_pair(pair, tokens, args, device))
             write_json(out, {**header, "rows": rows})
-    print(f"\n{'pair':22s} {'T':>6s} {'tokens/s ratio (min-max)':>28s} {'memory ratio':>13s}  peer")
-    for row in rows:
-        tps, mem = row.get("ratio_tokens_per_s"), row.get("ratio_peak_memory")
-        text = f"{tps['median']:.2f} ({tps['min']:.2f}-{tps['max']:.2f})" if tps else "-"
-        print(f"{row['pair']:22s} {row['tokens']:6d} {text:>28s} {mem['median'] if mem else float('nan'):13.2f}  "
-              + (row.get("peer_skipped") or row["peer"]))
+    print(table(rows))
     print(f"wrote {out}")
     return 0
