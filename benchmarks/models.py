@@ -137,6 +137,12 @@ def _qwen35(config: HybridConfig) -> tuple[nn.Module, str]:
     transformers = _require("transformers", "transformers")
     if not hasattr(transformers, "Qwen3_5ForCausalLM"):
         raise PeerMissing(f"transformers {transformers.__version__} has no Qwen3_5ForCausalLM; pip install -U transformers")
+    try:  # with fla installed, transformers routes the Gated DeltaNet layers to fla's kernels
+        from benchmarks.fla_backward import allow_fla_gated_backward
+
+        allow_fla_gated_backward()
+    except ImportError:
+        pass
     attn, gdn = config.attn, config.gdn
     hf = transformers.Qwen3_5TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_width,
