@@ -1,8 +1,8 @@
 """Overhead of context parallelism: a HybridLM training step (forward + backward) with its sequence
 sharded over P processes, against the same step unsharded in one process.
 
-    python benchmarks/context_parallel.py --device cuda --ranks 2 --recipe tiny-hybrid --seq-len 8192
-    python benchmarks/context_parallel.py --device cpu --ranks 2 --seq-len 64 --steps 2   # smoke
+    python -m benchmarks context_parallel --device cuda --ranks 2 --recipe tiny-hybrid --seq-len 8192
+    python -m benchmarks context_parallel --device cpu --ranks 2 --seq-len 64 --steps 2   # smoke
 
 On one GPU the P processes share it (gloo, messages staged through host memory, since NCCL refuses
 two ranks on one device): the ratio then measures what sharding adds (messages, corrections,
@@ -101,7 +101,8 @@ def _worker(rank, args, init_file, result_file):
     dist.destroy_process_group()
 
 
-def main(argv=None) -> dict:
+def measure(argv=None) -> dict:
+    """Run the comparison; return (and print) its JSON record."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     import torch
     import torch.multiprocessing as mp
@@ -126,7 +127,10 @@ def main(argv=None) -> dict:
             sharded = json.load(f)
     fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
                                     dtype=getattr(torch, args.dtype))
+    from benchmarks.meta import run_metadata
+
     result = {
+        **run_metadata(),
         "what": "context-parallel step (fwd+bwd) vs unsharded", "device": str(device),
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "recipe": args.recipe, "layers": model.config.layer_kinds(),
@@ -142,5 +146,10 @@ def main(argv=None) -> dict:
     return result
 
 
+def main(argv=None) -> int:
+    measure(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
