@@ -120,20 +120,24 @@ def measure(argv=None) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with _autocast(args, device):
         single = _time_steps(args, model, ids, sync)
+    fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
+                                    dtype=getattr(torch, args.dtype))
+    layers = model.config.layer_kinds()
+    del model, ids  # the ranks share this GPU: free what the unsharded run held before they start
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "times.json")
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), result_file), nprocs=args.ranks, join=True)
         with open(result_file) as f:
             sharded = json.load(f)
-    fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
-                                    dtype=getattr(torch, args.dtype))
     from benchmarks.meta import run_metadata
 
     result = {
         **run_metadata(),
         "what": "context-parallel step (fwd+bwd) vs unsharded", "device": str(device),
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "recipe": args.recipe, "layers": model.config.layer_kinds(),
+        "torch": torch.__version__, "recipe": args.recipe, "layers": layers,
         "ranks": args.ranks, "method": args.method, "seq_len": args.seq_len, "batch": args.batch,
         "dtype": args.dtype, "single_s": statistics.median(single), "sharded_s": statistics.median(sharded),
         "ratio": statistics.median(sharded) / statistics.median(single),

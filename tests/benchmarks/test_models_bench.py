@@ -74,3 +74,21 @@ def test_cpu_smoke_cli_writes_json(tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert record["settings"]["cpu_smoke"] and record["versions"]["torch"] == torch.__version__
     assert [row["pair"] for row in record["rows"]] == ["attn-340m"] and record["rows"][0]["ratio_tokens_per_s"]
+
+
+def test_tokens_per_step_sets_the_batch_at_each_length():
+    args = models.parse_args([])
+    assert (models.batch_for(2048, args), models.batch_for(8192, args)) == (8, 2)  # 16384 tokens each
+    assert models.batch_for(8192, models.parse_args(["--batch", "3"])) == 3
+    with pytest.raises(ValueError, match="longer than --tokens-per-step"):
+        models.batch_for(32768, args)
+
+
+def test_first_step_runs_each_side_once_to_its_first_step():
+    args = models.parse_args(["--first-step", "--repeats", "5"])
+    assert (args.repeats, args.warmup, args.steps) == (1, 0, 1)
+    lines = []
+    args.cpu_smoke, args.batch = True, 1
+    row = models.run_pair(models.PAIRS["attn-340m"], 16, args, torch.device("cpu"), log=lines.append)
+    assert len(row["ours"]) == len(row["peer_runs"]) == 1 and row["ours"][0]["first_step_s"] > 0
+    assert "attn-340m" in models.table([row]).splitlines()[1]
