@@ -188,8 +188,9 @@ class LinearAttentionMixer(Mixer):
         q, k, v, conv = self._qkv(x, None if state is None else state.conv)
         q, k = self.positions(q.unflatten(-1, (H, K)), k.unflatten(-1, (H // G, K)), offset)
         # key/value head j serves query heads j*G .. j*G + G - 1 (fla's repeat '(h g)')
-        k = k.repeat_interleave(G, dim=2)                                       # [B, T, H, K]
-        v = v.unflatten(-1, (H // G, V)).repeat_interleave(G, dim=2)            # [B, T, H, V]
+        v = v.unflatten(-1, (H // G, V))
+        if G > 1:  # (repeat_interleave copies even for G = 1)
+            k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)   # [B, T, H, K / V]
         log_a = self.decays(x)
 
         if x.shape[1] == 1 and state is not None:
