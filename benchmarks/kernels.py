@@ -82,30 +82,32 @@ def rand(*shape, dtype=torch.bfloat16, requires_grad=True, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype).requires_grad_(requires_grad)
 
 
-def case_linear_attn(B, T, H, D, per_key):
+def case_linear_attn(B, T, H, D, per_key, V=None):
     from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
     allow_fla_gated_backward()
-    q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)
+    V = V or D
+    q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, V)
     shape = (B, T, H, D) if per_key else (B, T, H)
     log_a = (-torch.rand(*shape, device=DEV) * 0.1).requires_grad_(True)
-    do = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
     ours = lambda: K.chunk_linear_attn(q, k, v, log_a, backend="triton")[0]  # noqa: E731
     anchor_fn = chunk_gla if per_key else chunk_simple_gla
     anchor = lambda: anchor_fn(q, k, v, log_a)[0]  # noqa: E731
     return ours, anchor, (do,), (q, k, v, log_a), nbytes(q, k, v, log_a) + nbytes(do)
 
 
-def case_delta_rule(B, T, H, D):
+def case_delta_rule(B, T, H, D, V=None):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     allow_fla_gated_backward()
-    q, v = rand(B, T, H, D), rand(B, T, H, D)
+    V = V or D
+    q, v = rand(B, T, H, D), rand(B, T, H, V)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEV), dim=-1).to(torch.bfloat16).requires_grad_(True)
     log_a = (-torch.rand(B, T, H, device=DEV) * 0.1).requires_grad_(True)
     beta = torch.rand(B, T, H, device=DEV).to(torch.bfloat16).requires_grad_(True)
-    do = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, V, device=DEV, dtype=torch.bfloat16)
     ours = lambda: K.chunk_delta_rule(q, k, v, log_a, beta, backend="triton")[0]  # noqa: E731
     anchor = lambda: chunk_gated_delta_rule(q, k, v, log_a, beta)[0]  # noqa: E731
     return ours, anchor, (do,), (q, k, v, log_a, beta), nbytes(q, k, v, log_a, beta, do)
@@ -171,6 +173,15 @@ CASES = [
     ("SSD (chunk_linear_attn) vs mamba_chunk_scan_combined", "B2 T16384 H32 P64 N128 G1 c256", lambda: case_ssd(2, 16384, 32, 64, 128, 1, 256)),
     ("selective_scan vs mamba_ssm selective_scan_fn", "B2 T16384 D2048 N16", lambda: case_selective_scan(2, 16384, 2048, 16)),
     ("causal_conv1d vs causal_conv1d_fn (mamba_ssm's)", "B2 T16384 D4096 W4 silu", lambda: case_conv(2, 16384, 4096, 4)),
+    # the packaged recipes' own head shapes, at the model table's B8 T2048
+    ("chunk_linear_attn scalar vs fla chunk_simple_gla* (retnet-340m)", "B8 T2048 H4 K256 V512",
+     lambda: case_linear_attn(8, 2048, 4, 256, False, V=512)),
+    ("chunk_linear_attn per-key vs fla chunk_gla (gla-340m)", "B8 T2048 H4 K128 V256",
+     lambda: case_linear_attn(8, 2048, 4, 128, True, V=256)),
+    ("chunk_delta_rule vs fla chunk_gated_delta_rule* (gated-deltanet-340m)", "B8 T2048 H6 K128 V256",
+     lambda: case_delta_rule(8, 2048, 6, 128, V=256)),
+    ("chunk_delta_rule vs fla chunk_gated_delta_rule* (qwen35-0.8b)", "B8 T2048 H16 K128 V128",
+     lambda: case_delta_rule(8, 2048, 16, 128)),
 ]
 
 
@@ -268,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(x):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
-    print(f"\n{'case':52s} {'shape':32s} {'ours fwd':>9s} {'anc fwd':>9s} {'ours f+b':>9s} {'fixed f+b':>9s} {'anc f+b':>9s} {'ratio f+b':>9s} {'floor':>7s} {'err':>8s}")
+    print(f"\n{'case':72s} {'shape':24s} {'ours fwd':>9s} {'anc fwd':>9s} {'ours f+b':>9s} {'fixed f+b':>9s} {'anc f+b':>9s} {'ratio f+b':>9s} {'floor':>7s} {'err':>8s}")
     for r in rows:
-        print(f"{r['case'][:52]:52s} {r['shape'][:32]:32s} {fmt(r.get('ours_fwd_ms')):>9s} {fmt(r.get('anchor_fwd_ms')):>9s} "
+        print(f"{r['case'][:72]:72s} {r['shape'][:24]:24s} {fmt(r.get('ours_fwd_ms')):>9s} {fmt(r.get('anchor_fwd_ms')):>9s} "
               f"{fmt(r.get('ours_fwdbwd_ms')):>9s} {fmt(r.get('ours_fixed_fwdbwd_ms')):>9s} {fmt(r.get('anchor_fwdbwd_ms')):>9s} {fmt(r.get('ratio_fwdbwd')):>9s} "
               f"{fmt(r.get('fwd_floor_ms')):>7s} {r.get('rel_err_vs_anchor', float('nan')):8.1e}"
               + (f"  [{(r.get('error') or r.get('ours_error') or r.get('anchor_error'))[:60]}]"

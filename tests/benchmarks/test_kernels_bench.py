@@ -29,4 +29,4 @@ def test_gpu_mode_refuses_without_cuda_and_selects_cases(capsys):
         assert kernels.main(["--out", "/nonexistent/never.json"]) == 2
         assert "--cpu" in capsys.readouterr().err
     assert [c[0] for c in kernels.selected_cases("delta")] == [c[0] for c in kernels.CASES if "delta" in c[0]]
-    assert len(kernels.selected_cases(None)) == len(kernels.CASES) == 9
+    assert len(kernels.selected_cases(None)) == len(kernels.CASES) == 13
