@@ -29,8 +29,9 @@ from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
-from hybridzoo.layers.conv import ShortConv
-from hybridzoo.layers.norms import GatedRMSNorm
+from hybridzoo.layers.conv import ShortConv, short_conv
+from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
+from hybridzoo.layers.recompute import maybe_recomputed
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -137,36 +138,53 @@ class Mamba2(Mixer):
 
     def mix(self, x: torch.Tensor, state: RecurrentState | None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
-        batch, length, _ = x.shape
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
+
+        With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
+        the backward (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps
+        ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does."""
+        zxbcdt = self.in_proj(x)
+        tensors = (zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                   self.norm.weight, None if state is None else state.conv,
+                   None if state is None else state.recurrent)
+        y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors)
+        offset = x.shape[1] + (0 if state is None else state.offset)
+        out = self.out_proj(y.to(activation_dtype(x)))
+        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _inner(self, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, conv_tail,
+               recurrent):
+        """From ``in_proj``'s output ``zxbcdt [B, T, 2·d_inner + 2GN + H]`` (the activation dtype)
+        to ``out_proj``'s input ``[B, T, d_inner]`` (float32; float64 for float64), with the new
+        conv tail and recurrent state. The parameters come in as arguments (see :meth:`mix`)."""
+        batch, length, _ = zxbcdt.shape
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
-        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv_tail = self.conv1d(xBC, None if state is None else state.conv)
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
+        xBC, conv_tail = short_conv(xBC, conv_weight, conv_bias, conv_tail, self.conv1d.activation,
+                                    self.backend)
         xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
         B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
 
-        compute = state_dtype(x.dtype)                                       # float32 (float64)
-        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))          # [B, T, H]
+        compute = state_dtype(zxbcdt.dtype)                                  # float32 (float64)
+        dt = F.softplus(dt.to(compute) + dt_bias.to(compute))               # [B, T, H]
         if tuple(self.config.time_step_limit) != (0.0, float("inf")):
             dt = dt.clamp(*self.config.time_step_limit)
-        log_a = dt * -torch.exp(self.A_log.to(compute))                     # Δ A <= 0
+        log_a = dt * -torch.exp(A_log.to(compute))                          # Δ A <= 0
         # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
         # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
-        v = (xs.to(compute) * dt[..., None]).to(activation_dtype(x))       # Δ x: [B, T, H, P]
-        if length == 1 and state is not None:
-            y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0],
-                                            state.recurrent, scale=1.0)
+        v = (xs.to(compute) * dt[..., None]).to(zxbcdt.dtype)               # Δ x: [B, T, H, P]
+        if length == 1 and recurrent is not None:
+            y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0], recurrent, scale=1.0)
             y = y[:, None]
         else:
             y, recurrent = sharded(chunk_linear_attn)(
-                C, B, v, log_a, scale=1.0, initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
-        y = y + self.D.to(compute)[:, None] * xs.to(compute)                # [B, T, H, P]
-        y = self.norm(y.reshape(batch, length, self.d_inner), z)
-        offset = length + (0 if state is None else state.offset)
-        out = self.out_proj(y.to(x.dtype))
-        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+                C, B, v, log_a, scale=1.0, initial_state=recurrent, output_final_state=True,
+                chunk_size=self.config.chunk_size, backend=self.backend)
+        y = y + D.to(compute)[:, None] * xs.to(compute)                     # [B, T, H, P]
+        y = gated_rms_norm(y.reshape(batch, length, self.d_inner), z, norm_weight, self.norm.eps,
+                           self.norm.group_size, self.norm.norm_before_gate)
+        return y, conv_tail, recurrent
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, heads={self.n_heads}x{self.head_dim}, "
