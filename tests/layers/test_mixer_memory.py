@@ -121,6 +121,7 @@ def test_recomputing_path_has_the_plain_gradients_float64(kind, monkeypatch):
         assert rel_err(lean[name], plain[name]) <= 1e-10, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
 def test_recomputing_path_under_autocast_on_the_triton_kernels(kind, monkeypatch):
     """The backward's recomputation re-enters the forward's bf16 autocast: same gradients."""
