@@ -34,6 +34,7 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailable",
     "chunk_linear_attn",
+    "chunk_linear_attn_grads",
     "chunk_delta_rule",
     "selective_scan",
     "attention",
@@ -89,6 +90,39 @@ def chunk_linear_attn(
     impl = resolve("chunk_linear_attn", backend, q.device)
     return impl(q, k, v, log_a, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def chunk_linear_attn_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor | None,
+    initial_state: torch.Tensor | None, do: torch.Tensor | None, dfinal: torch.Tensor | None,
+    *, scale: float | None = None, chunk_size: int = 64, backend: str = "auto",
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of :func:`chunk_linear_attn` w.r.t. ``(q, k, v, log_a, initial_state)`` from
+    those of its outputs (``do [B, T, H, V]``, ``dfinal [B, H, K, V]``; None means zero), for a
+    caller that kept the output and wants no second forward.
+
+    Our Triton backend has a backward of its own (which recomputes the chunk states from the
+    inputs, as its op's backward always does); any other backend runs the op again with autograd
+    on. Each gradient comes in its input's dtype, None for a None input.
+    """
+    from hybridzoo.kernels._dispatch import _auto_backend
+
+    resolve("chunk_linear_attn", backend, q.device)  # a clear error for an unusable backend
+    name = _auto_backend("chunk_linear_attn", q.device) if backend == "auto" else backend
+    if name == "triton":
+        from hybridzoo.kernels.triton.linear_attn import chunk_linear_attn_grads as grads
+
+        with torch.autocast(q.device.type, enabled=False):
+            return grads(q, k, v, log_a, initial_state, do, dfinal, scale=scale, chunk_size=chunk_size)
+    inputs = [None if t is None else t.detach().requires_grad_(True) for t in (q, k, v, log_a, initial_state)]
+    with torch.enable_grad():
+        o, final = chunk_linear_attn(*inputs[:4], scale=scale, initial_state=inputs[4],
+                                     output_final_state=True, chunk_size=chunk_size, backend=backend)
+    pairs = [(out, g) for out, g in ((o, do), (final, dfinal)) if g is not None]
+    wanted = [t for t in inputs if t is not None]
+    found = iter(torch.autograd.grad([p[0] for p in pairs], wanted, [p[1] for p in pairs], allow_unused=True)
+                 if pairs else [None] * len(wanted))
+    return tuple(None if t is None else next(found) for t in inputs)
 
 
 def chunk_delta_rule(

@@ -40,10 +40,17 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y [B, T, channels], new_tail [B, kernel_size - 1, channels])``."""
-        if x.shape[1] == 1 and tail is not None:
-            y, new_tail = causal_conv1d_step(x[:, 0], self.weight, self.bias, tail,
-                                             activation=self.activation)
-            return y[:, None], new_tail
-        return sharded(causal_conv1d)(x, self.weight, self.bias, initial_state=tail,
-                             output_final_state=True, activation=self.activation,
-                             backend=self.backend)
+        return short_conv(x, self.weight, self.bias, tail, self.activation, self.backend)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               tail: torch.Tensor | None, activation: str | None, backend: str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`ShortConv` as a function: ``x [B, T, channels]``, ``weight [channels, kernel_size]``,
+    ``bias [channels]`` or None, ``tail [B, kernel_size - 1, channels]`` or None ->
+    ``(y [B, T, channels], new_tail)``; T=1 with a tail takes the single-step form."""
+    if x.shape[1] == 1 and tail is not None:
+        y, new_tail = causal_conv1d_step(x[:, 0], weight, bias, tail, activation=activation)
+        return y[:, None], new_tail
+    return sharded(causal_conv1d)(x, weight, bias, initial_state=tail, output_final_state=True,
+                                  activation=activation, backend=backend)

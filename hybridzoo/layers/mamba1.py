@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import selective_scan, selective_scan_step
-from hybridzoo.layers.base import Mixer, init_dt_bias_
-from hybridzoo.layers.conv import ShortConv
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
+from hybridzoo.layers.conv import ShortConv, short_conv
+from hybridzoo.layers.recompute import maybe_recomputed
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -133,25 +134,40 @@ class Mamba1(Mixer):
 
     def mix(self, x: torch.Tensor, state: RecurrentState | None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
-        x_in, z = self.in_proj(x).chunk(2, dim=-1)                          # [B, T, d_inner]
-        u, conv_tail = self.conv1d(x_in, None if state is None else state.conv)
-        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.linear(dt, self.dt_proj.weight)                          # bias added in the scan
-        A = -torch.exp(self.A_log.to(state_dtype(self.A_log.dtype)))        # [d_inner, N]
-        if x.shape[1] == 1 and state is not None:
-            y, recurrent = selective_scan_step(
-                u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], self.D, z[:, 0],
-                delta_bias=self.dt_proj.bias, delta_softplus=True, state=state.recurrent)
-            y = y[:, None]
-        else:
-            y, recurrent = sharded(selective_scan)(
-                u, delta, A, B, C, self.D, z, delta_bias=self.dt_proj.bias, delta_softplus=True,
-                initial_state=None if state is None else state.recurrent,
-                output_final_state=True, backend=self.backend)
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
+
+        With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
+        the backward (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps
+        ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does."""
+        xz = self.in_proj(x)
+        tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                   self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
+                   None if state is None else state.recurrent)
+        y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors)
         offset = x.shape[1] + (0 if state is None else state.offset)
-        out = self.out_proj(y.to(x.dtype))
+        out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _inner(self, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log,
+               D, conv_tail, recurrent):
+        """From ``in_proj``'s output ``xz [B, T, 2·d_inner]`` (the activation dtype) to the gated
+        scan output ``[B, T, d_inner]`` (xz's dtype), with the new conv tail and recurrent state.
+        The parameters come in as arguments (see :meth:`mix`)."""
+        x_in, z = xz.chunk(2, dim=-1)                                       # [B, T, d_inner]
+        u, conv_tail = short_conv(x_in, conv_weight, conv_bias, conv_tail, self.conv1d.activation,
+                                  self.backend)
+        dt, B, C = F.linear(u, x_proj_weight).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.linear(dt, dt_proj_weight)                                # bias added in the scan
+        A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))                  # [d_inner, N]
+        if xz.shape[1] == 1 and recurrent is not None:
+            y, recurrent = selective_scan_step(
+                u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0],
+                delta_bias=dt_proj_bias, delta_softplus=True, state=recurrent)
+            return y[:, None], conv_tail, recurrent
+        y, recurrent = sharded(selective_scan)(
+            u, delta, A, B, C, D, z, delta_bias=dt_proj_bias, delta_softplus=True,
+            initial_state=recurrent, output_final_state=True, backend=self.backend)
+        return y, conv_tail, recurrent
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "

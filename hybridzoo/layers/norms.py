@@ -6,11 +6,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridzoo.layers.recompute import maybe_recomputed
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x², -1) + eps)`` computed in float32 (float64 kept), same shape."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int, norm_before_gate: bool) -> torch.Tensor:
+    """:class:`GatedRMSNorm` as a function: ``x, z [..., dim]``, ``weight [dim]`` -> ``[..., dim]``
+    in ``x.dtype``, computed in float32 (float64 kept)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf, gate = x.to(compute), F.silu(z.to(compute))
+    if not norm_before_gate:
+        xf = xf * gate
+    groups = xf.unflatten(-1, (x.shape[-1] // group_size, group_size))
+    y = rms_normalize(groups, eps).flatten(-2) * weight.to(compute)
+    if norm_before_gate:
+        y = y * gate
+    return y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +45,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = 1.0 + self.weight if self.zero_centered else self.weight
+        # with a gradient wanted, only x is kept: the float32 normalised copy (for the weight's
+        # gradient) is recomputed in the backward, as mamba_ssm's / fla's fused norms do
+        return maybe_recomputed(self._normalize, x, self.weight)[0]
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+        weight = 1.0 + weight if self.zero_centered else weight
         y = rms_normalize(x, self.eps) * weight.to(torch.promote_types(weight.dtype, torch.float32))
-        return y.to(x.dtype)
+        return (y.to(x.dtype),)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, zero_centered={self.zero_centered}"
@@ -55,15 +77,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xf, gate = x.to(compute), F.silu(z.to(compute))
-        if not self.norm_before_gate:
-            xf = xf * gate
-        groups = xf.unflatten(-1, (self.dim // self.group_size, self.group_size))
-        y = rms_normalize(groups, self.eps).flatten(-2) * self.weight.to(compute)
-        if self.norm_before_gate:
-            y = y * gate
-        return y.to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}, group_size={self.group_size}, "

@@ -44,7 +44,7 @@ import triton.language as tl
 from hybridzoo.kernels.reference.linear_attn import _check
 from hybridzoo.kernels.triton import launch
 
-__all__ = ["chunk_linear_attn", "SUPPORTED_CHUNK_SIZES"]
+__all__ = ["chunk_linear_attn", "chunk_linear_attn_grads", "SUPPORTED_CHUNK_SIZES"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
@@ -404,3 +404,26 @@ def chunk_linear_attn(
         log_a = log_a.to(torch.float32).contiguous()
     return _ChunkLinearAttnFunction.apply(q, k, v.contiguous(), log_a, initial_state, scale, C,
                                           bool(output_final_state))
+
+
+def chunk_linear_attn_grads(q, k, v, log_a, initial_state, do, dfinal, *, scale=None, chunk_size=64):
+    """The gradients of :func:`chunk_linear_attn` w.r.t. ``(q, k, v, log_a, initial_state)``, each in
+    its input's dtype (None for a None input), from those of its outputs ``do [B, T, H, V]`` and
+    ``dfinal [B, H, K, V]`` (None: zero), without running its forward: for a caller that kept the
+    output (the backward itself recomputes the chunk states, as it always does). Same inputs,
+    casts and chunk size as the op."""
+    C = chunk_size if chunk_size in SUPPORTED_CHUNK_SIZES else 64
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    qc, kc, vc = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous(), v.contiguous()
+    la = None if log_a is None else log_a.to(torch.float32).contiguous()
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    decay = _decay_kind(la)
+    b = chunk_cumsum(la, C) if decay else None
+    A = intra_A(qc, kc, b, v.shape[2], C) if decay == 2 else None
+    from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
+
+    grads = chunk_linear_attn_bwd(qc, kc, vc, la, h0, do, dfinal, scale, C, decay,
+                                  need_dlog_a=log_a is not None, need_dh0=initial_state is not None,
+                                  b=b, A=A)
+    return tuple(None if g is None or x is None else g.to(x.dtype)
+                 for g, x in zip(grads, (q, k, v, log_a, initial_state)))
