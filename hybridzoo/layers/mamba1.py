@@ -31,7 +31,7 @@ from torch import nn
 from hybridzoo.kernels import selective_scan, selective_scan_step
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
-from hybridzoo.layers.recompute import maybe_recomputed
+from hybridzoo.layers.recompute import maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -139,6 +139,8 @@ class Mamba1(Mixer):
         With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
         the backward (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps
         ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does."""
+        if not plain_modules(self.conv1d, self.x_proj):
+            return self._mix_modules(x, state)
         xz = self.in_proj(x)
         tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                    self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
@@ -146,6 +148,29 @@ class Mamba1(Mixer):
         y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors)
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
+        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
+                     ) -> tuple[torch.Tensor, RecurrentState]:
+        """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
+        taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
+        x_in, z = self.in_proj(x).chunk(2, dim=-1)                          # [B, T, d_inner]
+        u, conv_tail = self.conv1d(x_in, None if state is None else state.conv)
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.linear(dt, self.dt_proj.weight)                          # bias added in the scan
+        A = -torch.exp(self.A_log.to(state_dtype(self.A_log.dtype)))        # [d_inner, N]
+        if x.shape[1] == 1 and state is not None:
+            y, recurrent = selective_scan_step(
+                u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], self.D, z[:, 0],
+                delta_bias=self.dt_proj.bias, delta_softplus=True, state=state.recurrent)
+            y = y[:, None]
+        else:
+            y, recurrent = sharded(selective_scan)(
+                u, delta, A, B, C, self.D, z, delta_bias=self.dt_proj.bias, delta_softplus=True,
+                initial_state=None if state is None else state.recurrent,
+                output_final_state=True, backend=self.backend)
+        offset = x.shape[1] + (0 if state is None else state.offset)
+        out = self.out_proj(y.to(x.dtype))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log,

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
-from hybridzoo.layers.base import Mixer, init_dt_bias_
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
 from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
-from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed
+from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -144,12 +144,48 @@ class Mamba2(Mixer):
         (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps ``in_proj``'s
         input and output and the scan's output, as mamba_ssm's fused path does; the backward
         reruns the conv, gates and norm, not the scan's forward nor ``out_proj``."""
+        if not plain_modules(self.conv1d, self.norm, self.out_proj):
+            return self._mix_modules(x, state)
         zxbcdt = self.in_proj(x)
         tensors = (zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
                    self.norm.weight, self.out_proj.weight, self.out_proj.bias,
                    None if state is None else state.conv, None if state is None else state.recurrent)
         out, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
         offset = x.shape[1] + (0 if state is None else state.offset)
+        return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
+                     ) -> tuple[torch.Tensor, RecurrentState]:
+        """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
+        taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
+        batch, length, _ = x.shape
+        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
+        xBC, conv_tail = self.conv1d(xBC, None if state is None else state.conv)
+        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
+        xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
+        B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
+
+        compute = state_dtype(x.dtype)                                       # float32 (float64)
+        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))          # [B, T, H]
+        if tuple(self.config.time_step_limit) != (0.0, float("inf")):
+            dt = dt.clamp(*self.config.time_step_limit)
+        log_a = dt * -torch.exp(self.A_log.to(compute))                     # Δ A <= 0
+        # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
+        # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
+        v = (xs.to(compute) * dt[..., None]).to(activation_dtype(x))       # Δ x: [B, T, H, P]
+        if length == 1 and state is not None:
+            y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0],
+                                            state.recurrent, scale=1.0)
+            y = y[:, None]
+        else:
+            y, recurrent = sharded(chunk_linear_attn)(
+                C, B, v, log_a, scale=1.0, initial_state=None if state is None else state.recurrent,
+                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
+        y = y + self.D.to(compute)[:, None] * xs.to(compute)                # [B, T, H, P]
+        y = self.norm(y.reshape(batch, length, self.d_inner), z)
+        offset = length + (0 if state is None else state.offset)
+        out = self.out_proj(y.to(x.dtype))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight,

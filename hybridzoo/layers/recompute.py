@@ -25,7 +25,20 @@ import torch
 
 from hybridzoo.parallel.context import active as context_parallel_active
 
-__all__ = ["Kept", "kept_op", "linear_grads", "maybe_recomputed", "recomputed", "wants_recompute"]
+__all__ = ["Kept", "kept_op", "linear_grads", "maybe_recomputed", "plain_modules", "recomputed", "wants_recompute"]
+
+
+def plain_modules(*modules: torch.nn.Module) -> bool:
+    """True when a mixer may use these submodules' weights directly (in a recomputed or fused body):
+    each is a torch.nn or hybridzoo module of the exact class the mixer built, and no forward hook
+    (on it or global) would be skipped. A replaced submodule (an adapter such as peft's LoRA around
+    a projection) or a hooked one makes the mixer call its submodules as modules instead."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    return all(type(m).__module__.startswith(("torch.nn.", "hybridzoo."))
+               and not m._forward_hooks and not m._forward_pre_hooks for m in modules)
 
 
 def wants_recompute(*tensors: torch.Tensor | None) -> bool:
