@@ -77,7 +77,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, self.group_size, self.norm_before_gate)
+        # with a gradient wanted, only x and z are kept (as fla's fused gated norm keeps them): the
+        # float32 gate, normalised value and products are recomputed in the backward
+        return maybe_recomputed(self._gated, x, z, self.weight)[0]
+
+    def _gated(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+        return (gated_rms_norm(x, z, weight, self.eps, self.group_size, self.norm_before_gate),)
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}, group_size={self.group_size}, "

@@ -24,7 +24,7 @@ import hybridzoo.layers.recompute as recompute_module
 from hybridzoo.layers.mamba1 import Mamba1, Mamba1Config
 from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.recompute import recomputed, wants_recompute
-from hybridzoo.layers.norms import RMSNorm
+from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.memory import saved_tensors
 from hybridzoo.utils import rel_err
@@ -180,6 +180,39 @@ def test_rms_norm_keeps_only_its_input(zero_centered, monkeypatch):
         xl = x.clone().requires_grad_(True)
         (norm(xl) * torch.linspace(-1, 1, D_MODEL, dtype=torch.float64)).sum().backward()
         results[lean] = (xl.grad, norm.weight.grad.clone())
+    for plain, lean in zip(results[False], results[True]):
+        assert rel_err(lean, plain) <= 1e-10
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_gated_rms_norm_keeps_only_its_inputs(norm_before_gate, monkeypatch):
+    """The gated norm after GLA / RetNet / Gated DeltaNet keeps its bf16 inputs x and z (``2·2·d``
+    bytes per token under autocast, as fla's fused gated norm) where it kept five float32 tensors,
+    and has the plain gradients in float64."""
+    norm = GatedRMSNorm(D_MODEL, group_size=D_MODEL // 2, norm_before_gate=norm_before_gate)
+    with torch.no_grad():
+        norm.weight.normal_()
+
+    def saved(length):
+        x = torch.randn(BATCH, length, D_MODEL, requires_grad=True)
+        z = torch.randn(BATCH, length, D_MODEL, requires_grad=True)
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return norm(x.bfloat16() * 1.0, z.bfloat16() * 1.0)  # bf16 activations, as a kernel's output
+
+        return sum(r.nbytes for r in saved_tensors(forward, list(norm.parameters())) if not r.parameter)
+
+    assert (saved(2 * LENGTH) - saved(LENGTH)) / (BATCH * LENGTH) <= 2 * 2 * D_MODEL
+    norm.double()
+    x, z = torch.randn(2, BATCH, LENGTH, D_MODEL, dtype=torch.float64)
+    results = {}
+    for lean in (False, True):
+        monkeypatch.setattr(recompute_module, "wants_recompute", wants_recompute if lean else (lambda *t: False))
+        norm.zero_grad()
+        xl, zl = x.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        (norm(xl, zl) * torch.linspace(-1, 1, D_MODEL, dtype=torch.float64)).sum().backward()
+        results[lean] = (xl.grad, zl.grad, norm.weight.grad.clone())
     for plain, lean in zip(results[False], results[True]):
         assert rel_err(lean, plain) <= 1e-10
 
