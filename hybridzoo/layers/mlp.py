@@ -39,12 +39,14 @@ class _GatedDown(torch.autograd.Function):
                 grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ hidden.reshape(-1, hidden.shape[-1]))
                 grad_weight = grad_weight.to(weight.dtype)
             if need_gate or need_up:
+                # float32 (float64 kept) elementwise, in place: few [..., d_hidden] temporaries
                 grad_hidden = (grad @ weight.to(dtype)).to(torch.promote_types(gate.dtype, torch.float32))
                 sig = torch.sigmoid(gate.to(grad_hidden.dtype))
                 if need_up:
                     grad_up = (grad_hidden * gate * sig).to(up.dtype)
-                if need_gate:
-                    grad_gate = (grad_hidden * up * sig * (1 + gate * (1 - sig))).to(gate.dtype)
+                if need_gate:  # d silu(g) / dg = sig * (1 + g * (1 - sig))
+                    slope = torch.sub(1, sig).mul_(gate).add_(1).mul_(sig)
+                    grad_gate = grad_hidden.mul_(up).mul_(slope).to(gate.dtype)
         return grad_gate, grad_up, grad_weight
 
 
