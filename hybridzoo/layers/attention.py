@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hybridzoo.kernels import attention, merge_attention
-from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.base import Mixer, projection_input
 from hybridzoo.layers.norms import RMSNorm
 from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_applies
 from hybridzoo.layers.prefix_attention import block_prefix_attention
@@ -299,14 +299,15 @@ class Attention(Mixer):
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x)
+        h = projection_input(x)  # one autocast copy shared by q, k and v's projections
+        q = self.q_proj(h)
         gate = None
         if self.config.output_gate:
             q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)  # per head: [q (D), gate (D)]
             gate = gate.reshape(B, T, H * D)
         q = q.reshape(B, T, H, D)
-        k = self.k_proj(x).view(B, T, Hk, D)
-        v = self.v_proj(x).view(B, T, Hk, D)
+        k = self.k_proj(h).view(B, T, Hk, D)
+        v = self.v_proj(h).view(B, T, Hk, D)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         offset = sequence_start(T) if state is None else state.offset

@@ -21,6 +21,18 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def projection_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast once the way autocast casts a linear layer's input (to the autocast dtype when
+    autocast is on for x's device and x is a float tensor other than float64), else ``x`` itself.
+
+    Several projections of one input then share (and keep for their backward) one cast copy
+    instead of making one each; the values are those each projection would have computed."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 @torch.no_grad()
 def init_dt_bias_(bias: torch.Tensor, dt_min: float, dt_max: float, floor: float) -> None:
     """mamba_ssm's / fla's init of a step-size bias ``[n]``: ``softplus(bias)`` log-uniform in

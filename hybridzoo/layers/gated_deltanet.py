@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
-from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, projection_input
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -197,17 +197,18 @@ class GatedDeltaNet(Mixer):
         batch, length, _ = x.shape
         Hk, H, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         compute = state_dtype(x.dtype)                                      # float32 (float64)
-        qkv, conv_tail = self.conv1d(self.in_proj_qkv(x), None if state is None else state.conv)
+        h = projection_input(x)  # one autocast copy shared by the four projections
+        qkv, conv_tail = self.conv1d(self.in_proj_qkv(h), None if state is None else state.conv)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # q, k normalised in float32, then handed to the kernel in the activation dtype (bf16
         # under autocast: tensor-core dots; float32 q/k would force exact fp32 dots, ~10x slower)
         act = activation_dtype(x)
         q, k = (_l2norm(t.unflatten(-1, (Hk, K)).to(compute)).to(act) for t in (q, k))  # [B, T, Hk, K]
         v = v.unflatten(-1, (H, V)).to(act)                                 # [B, T, H, V]
-        z = self.in_proj_z(x).unflatten(-1, (H, V))
-        beta = self.in_proj_b(x).to(compute).sigmoid()                      # [B, T, H]
+        z = self.in_proj_z(h).unflatten(-1, (H, V))
+        beta = self.in_proj_b(h).to(compute).sigmoid()                      # [B, T, H]
         log_a = -self.A_log.to(compute).exp() * F.softplus(
-            self.in_proj_a(x).to(compute) + self.dt_bias.to(compute))       # [B, T, H] <= 0
+            self.in_proj_a(h).to(compute) + self.dt_bias.to(compute))       # [B, T, H] <= 0
 
         scale = K ** -0.5
         if length == 1 and state is not None:

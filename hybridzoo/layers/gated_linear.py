@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer
+from hybridzoo.layers.base import Mixer, projection_input
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -185,6 +185,7 @@ class LinearAttentionMixer(Mixer):
         cfg, G = self.config, self.num_kv_groups
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         offset = sequence_start(x.shape[1]) if state is None else state.offset
+        x = projection_input(x)  # one autocast copy shared by every projection (and its backward)
         q, k, v, conv = self._qkv(x, None if state is None else state.conv)
         q, k = self.positions(q.unflatten(-1, (H, K)), k.unflatten(-1, (H // G, K)), offset)
         # key/value head j serves query heads j*G .. j*G + G - 1 (fla's repeat '(h g)')

@@ -31,6 +31,30 @@ from hybridzoo.layers.gated_linear import LinearAttentionConfig, LinearAttention
 from hybridzoo.layers.state import state_dtype
 
 
+class _LogSigmoidDecay(torch.autograd.Function):
+    """``log_a = max(logsigmoid(gk) / normalizer, clamp_min)`` computed in ``dtype`` (the state
+    dtype, float32), keeping for the backward only ``gk`` as given (e.g. bf16 under autocast)
+    instead of float32 copies; ``clamp_min=None``: no clamp. Shapes: any -> same."""
+
+    @staticmethod
+    def forward(ctx, gk, normalizer, clamp_min, dtype):
+        log_a = F.logsigmoid(gk.to(dtype)) / normalizer
+        if clamp_min is not None:
+            log_a = log_a.clamp_min(clamp_min)
+        ctx.save_for_backward(gk)
+        ctx.normalizer, ctx.clamp_min, ctx.dtype = normalizer, clamp_min, dtype
+        return log_a
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gk,) = ctx.saved_tensors
+        g = gk.to(ctx.dtype)
+        grad = grad * torch.sigmoid(-g) / ctx.normalizer  # d logsigmoid(g) / dg = sigmoid(-g)
+        if ctx.clamp_min is not None:  # clamp_min passes the gradient where log_a >= clamp_min
+            grad = grad * (F.logsigmoid(g) / ctx.normalizer >= ctx.clamp_min)
+        return grad.to(gk.dtype), None, None, None
+
+
 @dataclass
 class GLAConfig(LinearAttentionConfig):
     """Settings of a :class:`GLA` mixer (defaults of fla's ``GatedLinearAttention`` layer).
@@ -83,9 +107,8 @@ class GLA(LinearAttentionMixer):
     def decays(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, T, d_model]`` -> ``log_a [B, T, H, K]`` (one decay per key; float32, float64 kept)."""
         cfg = self.config
-        log_a = F.logsigmoid(self.gk_proj(x).to(state_dtype(x.dtype))) / cfg.gate_logit_normalizer
-        if cfg.clamp_min is not None:
-            log_a = log_a.clamp_min(cfg.clamp_min)
+        log_a = _LogSigmoidDecay.apply(self.gk_proj(x), cfg.gate_logit_normalizer, cfg.clamp_min,
+                                       state_dtype(x.dtype))
         # decay head j serves query heads j*G .. j*G + G - 1, as the key/value heads do
         G = self.num_kv_groups
         return log_a.unflatten(-1, (self.num_heads // G, self.head_k_dim)).repeat_interleave(G, dim=2)

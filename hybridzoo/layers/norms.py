@@ -30,13 +30,47 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return y.to(x.dtype)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``normalize(x) * w`` (``w = 1 + weight`` when zero-centred), in ``x.dtype``, keeping for
+    the backward only ``x`` as given and ``rstd = 1 / sqrt(mean(x², -1) + eps)`` (``[..., 1]``,
+    float32; float64 kept); the normalised value is recomputed there (as fla's fused norm does).
+
+    The forward runs the very operations of the plain formula, so its values are unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        w = 1.0 + weight if zero_centered else weight
+        y = (xf * rstd) * w.to(torch.promote_types(w.dtype, torch.float32))
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.zero_centered, ctx.product_dtype = zero_centered, y.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dtype = ctx.product_dtype  # that of normalize(x) * w before the cast to x.dtype
+        w = (1.0 + weight if ctx.zero_centered else weight).to(dtype)
+        normed = (x.to(rstd.dtype) * rstd).to(dtype)
+        grad = grad.to(dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            g = grad * w
+            grad_x = (rstd.to(dtype) * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None, None
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation over the last dimension.
 
     ``y = normalize(x) * w`` with ``w = weight`` (Llama) or ``w = 1 + weight`` when
     ``zero_centered=True`` (Qwen3-Next / Qwen3.5 / Gemma keep the weight centred on 0).
 
-    Shapes: ``x [..., dim]`` -> ``[..., dim]`` in ``x.dtype``.
+    Shapes: ``x [..., dim]`` -> ``[..., dim]`` in ``x.dtype`` (computed in float32, float64
+    kept). For the backward it keeps only ``x`` and one float32 ``rstd [..., 1]`` per row.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
@@ -45,14 +79,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # with a gradient wanted, only x is kept: the float32 normalised copy (for the weight's
-        # gradient) is recomputed in the backward, as mamba_ssm's / fla's fused norms do
-        return maybe_recomputed(self._normalize, x, self.weight)[0]
-
-    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
-        weight = 1.0 + weight if self.zero_centered else weight
-        y = rms_normalize(x, self.eps) * weight.to(torch.promote_types(weight.dtype, torch.float32))
-        return (y.to(x.dtype),)
+        # keeps only x and the per-row rstd for the backward (see _RMSNormFunction)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.zero_centered)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, zero_centered={self.zero_centered}"

@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridzoo.layers import MIXERS, MixerState, RMSNorm, SwiGLU
 from hybridzoo.parallel.context import model_call, sharded
+from hybridzoo.zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from hybridzoo.zoo.config import HybridConfig
 
 ModelState = list  # list[MixerState | None], one entry per block
@@ -221,6 +222,18 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy over positions whose target is not -100 (float32 or wider): their mean, or
-    their sum with ``reduction="sum"``. ``logits [B, T, V]``, ``targets [B, T]`` aligned."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+    their sum with ``reduction="sum"`` (``"none"``: the ``[B * T]`` losses, 0 where ignored).
+    ``logits [B, T, V]``, ``targets [B, T]`` aligned.
+
+    Upcasts the logits a chunk of rows at a time: for the backward it keeps the logits as given
+    (bf16 under autocast) and one float32 log-sum-exp per position (see
+    :func:`hybridzoo.zoo.cross_entropy.token_cross_entropy`)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"lm_loss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    losses = token_cross_entropy(logits.flatten(0, 1), targets.flatten())
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    if reduction == "sum":
+        return total
+    return total / (targets != IGNORE_INDEX).sum().to(total.dtype)  # 0 labelled: nan, as F.cross_entropy
