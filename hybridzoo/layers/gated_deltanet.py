@@ -51,6 +51,7 @@ from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, projection_input
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm
+from hybridzoo.layers.recompute import maybe_recomputed
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -203,7 +204,9 @@ class GatedDeltaNet(Mixer):
         # q, k normalised in float32, then handed to the kernel in the activation dtype (bf16
         # under autocast: tensor-core dots; float32 q/k would force exact fp32 dots, ~10x slower)
         act = activation_dtype(x)
-        q, k = (_l2norm(t.unflatten(-1, (Hk, K)).to(compute)).to(act) for t in (q, k))  # [B, T, Hk, K]
+        # recomputed in the backward: only q and k as given are kept, not their float32 copies
+        q, k = maybe_recomputed(lambda a, b: tuple(_l2norm(t.unflatten(-1, (Hk, K)).to(compute)).to(act)
+                                                   for t in (a, b)), q, k)  # [B, T, Hk, K]
         v = v.unflatten(-1, (H, V)).to(act)                                 # [B, T, H, V]
         z = self.in_proj_z(h).unflatten(-1, (H, V))
         beta = self.in_proj_b(h).to(compute).sigmoid()                      # [B, T, H]

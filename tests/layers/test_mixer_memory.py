@@ -234,3 +234,34 @@ def test_chunk_linear_attn_grads_match_autograd_of_the_op(backend):
     got = chunk_linear_attn_grads(q, k, v, log_a, h0, do, dfinal, scale=0.5, chunk_size=16, backend=backend)
     for name, g, e in zip(("q", "k", "v", "log_a", "initial_state"), got, expected):
         assert g.dtype == e.dtype and rel_err(g, e) <= 1e-6, name
+
+
+def test_gated_deltanet_keeps_no_float32_copy_of_q_and_k(monkeypatch):
+    """Gated DeltaNet normalises q and k in float32 and hands them to the kernel in bf16: the
+    backward keeps q and k as given, not their float32 copies (recomputed), with the plain
+    gradients in float64."""
+    from hybridzoo.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+
+    config = GatedDeltaNetConfig(num_k_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16, chunk_size=16)
+    mixer = GatedDeltaNet(D_MODEL, config, backend="reference")
+    x = torch.randn(BATCH, LENGTH, D_MODEL, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mixer(x * 1.0)[0]
+
+    qk_shape = (BATCH, LENGTH, 2, 16)
+    kept = [r for r in saved_tensors(forward, list(mixer.parameters()))
+            if not r.parameter and r.dtype == torch.float32 and tuple(r.shape) == qk_shape]
+    assert kept == [], kept
+    mixer.double()
+    xd = torch.randn(BATCH, LENGTH, D_MODEL, dtype=torch.float64)
+    results = {}
+    for lean in (False, True):
+        monkeypatch.setattr(recompute_module, "wants_recompute", wants_recompute if lean else (lambda *t: False))
+        mixer.zero_grad()
+        xl = xd.clone().requires_grad_(True)
+        (mixer(xl)[0] * torch.linspace(-1, 1, D_MODEL, dtype=torch.float64)).sum().backward()
+        results[lean] = [xl.grad] + [p.grad.clone() for p in mixer.parameters()]
+    for plain, lean in zip(results[False], results[True]):
+        assert rel_err(lean, plain) <= 1e-10
