@@ -128,3 +128,17 @@ def saved_tensors(fn: Callable[[], object], parameters: Iterable[torch.Tensor] =
             if owner not in entry.owners:
                 entry.owners.append(owner)
     return sorted(by_storage.values(), key=lambda s: -s.nbytes)
+
+
+def saved_bytes_per_token(run: Callable[[int], object], length: int, batch: int,
+                          parameters: Iterable[torch.Tensor] = ()) -> float:
+    """Bytes kept for the backward per token by ``run(T)`` (a forward on ``batch x T`` tokens),
+    leaving out the storages of ``parameters``: the slope between ``length`` and ``2 * length``
+    tokens, so that what does not grow with the tokens (autocast's weight copies, recurrent states
+    of fixed size) drops out."""
+    parameters = list(parameters)
+
+    def total(tokens: int) -> int:
+        return sum(r.nbytes for r in saved_tensors(lambda: run(tokens), parameters) if not r.parameter)
+
+    return (total(2 * length) - total(length)) / (batch * length)

@@ -9,7 +9,8 @@ import torch
 
 from hybridzoo.layers import GLA, GLAConfig, MIXERS, RMSNorm, SwiGLU
 from hybridzoo.utils import rel_err
-from tests.layers.saved_bytes import saved_bytes_per_token, saved_tensors
+from hybridzoo.memory import saved_bytes_per_token
+from tests.layers.saved_bytes import saved_tensors
 
 D, HIDDEN, EPS = 24, 40, 1e-6
 
@@ -129,7 +130,7 @@ def test_block_mlp_half_saves_x_rstd_and_the_two_projections_only():
             return x + mlp(norm(x))
 
     budget = 4 * D + 4 + 2 * D + 2 * 2 * HIDDEN
-    per_token = saved_bytes_per_token(run, T, B, exclude=(norm.weight, *mlp.parameters()))
+    per_token = saved_bytes_per_token(run, T, B, parameters=(norm.weight, *mlp.parameters()))
     assert per_token <= budget, (per_token, budget)
 
 
@@ -146,7 +147,7 @@ def test_gla_decay_saves_no_float32_copy():
             return mixer.decays(x)
 
     budget = 2 * D + 2 * cfg.gate_low_rank_dim + 2 * mixer.key_dim
-    per_token = saved_bytes_per_token(run, T, B, exclude=tuple(mixer.parameters()))
+    per_token = saved_bytes_per_token(run, T, B, parameters=tuple(mixer.parameters()))
     assert per_token <= budget, (per_token, budget)
 
 

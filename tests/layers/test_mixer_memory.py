@@ -26,7 +26,7 @@ from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.recompute import recomputed, wants_recompute
 from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
 from hybridzoo.layers.state import RecurrentState
-from hybridzoo.memory import saved_tensors
+from hybridzoo.memory import saved_bytes_per_token as saved_bytes_per_token_of, saved_tensors
 from hybridzoo.utils import rel_err
 
 BATCH, LENGTH, D_MODEL = 1, 8, 16
@@ -50,18 +50,15 @@ def mamba_ssm_budget(mixer) -> float:
 
 
 def saved_bytes_per_token(mixer) -> float:
-    def activation_bytes(length):
-        torch.manual_seed(0)
-        x = torch.randn(BATCH, length, D_MODEL, requires_grad=True)
+    torch.manual_seed(0)
+    inputs = {T: torch.randn(BATCH, T, D_MODEL, requires_grad=True) for T in (LENGTH, 2 * LENGTH)}
 
-        def forward():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return mixer(x)
+    def run(length):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mixer(inputs[length])
 
-        rows = saved_tensors(forward, parameters=list(mixer.parameters()) + [x])
-        return sum(r.nbytes for r in rows if not r.parameter)
-
-    return (activation_bytes(2 * LENGTH) - activation_bytes(LENGTH)) / (BATCH * LENGTH)
+    # the given input is left out like a parameter: only what the layer adds counts
+    return saved_bytes_per_token_of(run, LENGTH, BATCH, parameters=[*mixer.parameters(), *inputs.values()])
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

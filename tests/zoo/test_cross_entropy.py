@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hybridzoo.utils import rel_err
 from hybridzoo.zoo import cross_entropy
 from hybridzoo.zoo.model import lm_loss
-from tests.layers.saved_bytes import saved_bytes_per_token
+from hybridzoo.memory import saved_bytes_per_token
 
 B, T, V = 3, 7, 13
 
