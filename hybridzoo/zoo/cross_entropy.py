@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridzoo.kernels import fused
+
 IGNORE_INDEX = -100
 _CHUNK_ELEMENTS = 1 << 24  # logits upcast per step: 64 MiB of float32
 
@@ -19,10 +21,18 @@ def _row_chunks(rows: int, vocab: int):
 class _TokenCrossEntropy(torch.autograd.Function):
     """Per-row ``logsumexp(z) - z[target]`` (0 where target is -100), computed in
     ``promote(logits.dtype, float32)`` one chunk of rows at a time. Backward: ``(softmax(z) -
-    onehot(target)) * grad`` chunk by chunk, in the logits' dtype."""
+    onehot(target)) * grad`` chunk by chunk, in the logits' dtype. On a GPU each direction is one
+    Triton pass over the logits (:mod:`hybridzoo.kernels.triton.cross_entropy`); this plain body
+    is the spec."""
 
     @staticmethod
     def forward(ctx, logits, targets):
+        if fused.applies(logits):  # one Triton pass over the logits (float32 on chip)
+            from hybridzoo.kernels.triton.cross_entropy import cross_entropy_fwd
+
+            losses, lse = cross_entropy_fwd(logits, targets)
+            ctx.save_for_backward(logits, targets, lse)
+            return losses
         compute = torch.promote_types(logits.dtype, torch.float32)
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=compute, device=logits.device)
@@ -36,6 +46,10 @@ class _TokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, targets, lse = ctx.saved_tensors
+        if fused.applies(logits):
+            from hybridzoo.kernels.triton.cross_entropy import cross_entropy_bwd
+
+            return cross_entropy_bwd(grad, logits, targets, lse), None
         valid = targets != IGNORE_INDEX
         scale = torch.where(valid, grad.to(lse.dtype), 0.0)[:, None]  # ignored rows: no gradient
         index = torch.where(valid, targets, 0)[:, None]
