@@ -218,9 +218,29 @@ def elementwise_settings():
                    ce, warps, 3)
 
 
+def fused_layer_settings():
+    """(name, kernel, types, constexprs, warps, stages) of the layers' fused passes (SwiGLU,
+    cross-entropy) at the settings they launch with on a GPU, bf16."""
+    import importlib
+
+    swiglu = importlib.import_module("hybridzoo.kernels.triton.swiglu")
+    ce = importlib.import_module("hybridzoo.kernels.triton.cross_entropy")
+    f32 = {"loss_ptr", "lse_ptr", "grad_ptr"}
+    for kernel, consts, warps, ints, fp32 in (
+            (swiglu._fwd_kernel, dict(BLOCK=swiglu.BLOCK), swiglu.WARPS, {"n"}, set()),
+            (swiglu._bwd_kernel, dict(BLOCK=swiglu.BLOCK), swiglu.WARPS, {"n"}, set()),
+            (ce._fwd_kernel, dict(IGNORE=ce.IGNORE_INDEX, BLOCK_V=ce.BLOCK_V, NV_LOOP=0), ce.WARPS,
+             {"V", "stride"}, f32),
+            (ce._bwd_kernel, dict(IGNORE=ce.IGNORE_INDEX, BLOCK_V=ce.BLOCK_V), ce.WARPS, {"V", "stride"}, f32)):
+        types = {n: "i32" if n in ints else "*i64" if n == "targets_ptr" else "*fp32" if n in fp32 else "*bf16"
+                 for n in kernel.arg_names if n not in consts}
+        yield (f"{kernel.fn.__module__.rsplit('.', 1)[-1]} {kernel.__name__} warps={warps}", kernel, types, consts,
+               warps, 3)
+
+
 def check_spills() -> int:
     bad = 0
-    for name, kernel, types, constexprs, warps, stages in elementwise_settings():
+    for name, kernel, types, constexprs, warps, stages in (*elementwise_settings(), *fused_layer_settings()):
         try:
             r = resources(kernel, types, constexprs, warps, stages)
             allowed = SPILL_ALLOWED.get(name, 0)
