@@ -14,8 +14,8 @@ on chip. Rows ``x [N, D]`` are normalised in groups of ``G`` channels (``G = D``
   ``dx`` (and ``dz``) and sums ``dy · normalised (· gate)`` over its rows in registers for the
   weight gradient; those per-program partial sums ``[programs, D]`` (float32) are added in torch.
 * launch settings: no autotuning (memory-bound row kernels); the tile is about :data:`TILE`
-  elements, the warps grow with it (1 to 8, as fla's norms); tiny fixed tiles under the
-  interpreter. Rows may have a stride (``x``, ``z``, ``dy``), the last dimension must be dense.
+  elements, the warps grow with it (1 to 8, as fla's norms; 16 for the widest groups); tiny
+  fixed tiles under the interpreter. Rows may have a stride (``x``, ``z``, ``dy``), the last dimension must be dense.
 
 Groups wider than :data:`MAX_GROUP` channels do not fit in registers: the layers take their plain
 path for them.
@@ -34,7 +34,10 @@ from hybridzoo.kernels.triton import launch
 __all__ = ["MAX_GROUP", "gated_rms_norm_bwd", "gated_rms_norm_fwd", "rms_norm_bwd", "rms_norm_fwd"]
 
 MAX_GROUP = 8192  # widest group (channels) one program holds in registers
-TILE = 4096  # elements of a program's [BLOCK_N, BLOCK_G] tile on a GPU
+# Elements of a program's [BLOCK_N, BLOCK_G] tile on a GPU. At 8 per thread the backward takes
+# 40-117 registers per thread on sm_90 and spills nothing (scripts/kernel_resources.py --spills);
+# 4096-element tiles took 200-255 registers (one block of 8 warps per SM) or spilled at 4 warps.
+TILE = 2048
 PROGRAMS_PER_SM = 4  # backward programs per SM (each loops over its rows)
 INTERPRETER = dict(BLOCK_N=4, programs=2)  # under the interpreter: 4-row blocks, 2 backward programs
 
@@ -120,12 +123,13 @@ def _bwd_kernel(dy_ptr, x_ptr, z_ptr, w_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_ptr, N
 
 
 def _settings(group: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_G, num_warps) for groups of ``group`` channels."""
+    """(BLOCK_N, BLOCK_G, num_warps) for groups of ``group`` channels: about :data:`TILE`
+    elements, 8 per thread (fla's norms: 1-8 warps by width); 16 warps for 8192-wide groups."""
     block_g = triton.next_power_of_2(group)
     if launch.interpret():
         return INTERPRETER["BLOCK_N"], block_g, 1
     block_n = max(1, TILE // block_g)
-    return block_n, block_g, min(8, max(1, block_n * block_g // 512))
+    return block_n, block_g, 16 if block_g >= 8192 else min(8, max(1, block_n * block_g // 256))
 
 
 @functools.lru_cache(maxsize=None)
