@@ -135,3 +135,51 @@ def test_float64_keeps_the_plain_path(calls):
     assert (norm(x) - formula(x, None, norm.weight, EPS, 24)).abs().max() < 1e-12
     assert (gated(x, z) - formula(x, z, gated.weight, EPS, 24)).abs().max() < 1e-12
     assert calls == {}
+
+
+def test_mamba2_mixer_takes_the_fused_gated_norm_inside_its_recomputed_body(calls, monkeypatch):
+    """Mamba-2's recomputed body calls gated_rms_norm on its float32 scan output and a strided
+    slice z of the in-projection's output: the fused kernels run there (forward, recomputation,
+    backward) and the mixer's output and gradients are those of the plain norm."""
+    from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
+
+    torch.manual_seed(0)
+    mixer = Mamba2(8, Mamba2Config(d_state=4, head_dim=4, n_groups=2, chunk_size=4))
+    x = torch.randn(2, 9, 8)
+    results = {}
+    for force in (False, True):
+        monkeypatch.setattr(fused, "FORCE", force)
+        mixer.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = mixer(xl)[0]
+        results[force] = (y, *_grads(y, [xl, *mixer.parameters()]))
+    for plain, fused_ in zip(results[False], results[True]):
+        assert rel_err(fused_, plain) <= 1e-5
+    assert calls == {"gated_rms_norm_fwd": 2, "gated_rms_norm_bwd": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_layers_take_the_fused_kernels_and_match_the_plain_path(calls, monkeypatch, gated):
+    """At a model's shapes on a GPU (not forced): RMSNorm on the float32 residual stream
+    (d_model 1024) and the gated norm on bf16 value heads (8 x 128), fused against plain."""
+    monkeypatch.setattr(fused, "FORCE", False)
+    torch.manual_seed(0)
+    shape = (8, 2048, 8, 128) if gated else (8, 2048, 1024)
+    layer = (GatedRMSNorm(128) if gated else RMSNorm(1024)).cuda()
+    with torch.no_grad():
+        layer.weight.normal_()
+    dtype = torch.bfloat16 if gated else torch.float32
+    inputs = [torch.randn(shape, device="cuda").to(dtype) for _ in range(2 if gated else 1)]
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused, "FUSED", on)
+        layer.zero_grad()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y = layer(*leaves)
+        y.backward(torch.ones_like(y))
+        results[on] = (y, *(t.grad for t in leaves), layer.weight.grad.clone())
+    for plain, fast in zip(results[False], results[True]):
+        assert rel_err(fast, plain) <= (1e-5 if fast.dtype == torch.float32 else 8e-3)
+    name = "gated_rms_norm" if gated else "rms_norm"
+    assert calls == {f"{name}_fwd": 1, f"{name}_bwd": 1}
