@@ -179,9 +179,6 @@ def all_kernels():
 # bytes of spill stores per thread a setting may have: the selective scan's fixed backward tile
 # (32 channels, 8 warps) spills 236 B at N = 16 and stays a candidate (the fastest measured)
 SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256}
-# the gated norm's backward over 8192-wide groups (16 warps: 128 registers per thread at most)
-# spills 68 B (bf16) / 96 B (fp32); 8 warps would hold twice the elements per thread
-SPILL_ALLOWED.update({f"norm _bwd_kernel G=8192 gated gate-first warps=16 {dt}": 128 for dt in ("bf16", "fp32")})
 
 
 def elementwise_settings():
@@ -248,6 +245,13 @@ def norm_settings():
                          for n in kernel.arg_names if n not in ce}
                 label = f"G={group}" + (f" gated{'' if before else ' gate-first'}" if gated else "")
                 yield f"norm {kernel.__name__} {label} warps={warps} {dt}", kernel, types, ce, warps, 3
+
+
+# The norm backward over 8192-wide gated groups (16 warps: 128 registers per thread at most)
+# spills 68-104 B; Triton 3.9's ptxas spills 4 B in a few other norm backward settings (Triton
+# 3.6: none). Both are allowed; 8 warps would hold twice the elements per thread.
+SPILL_ALLOWED.update({name: 128 if "G=8192 gated" in name else 16
+                      for name, *_ in norm_settings() if "_bwd_kernel" in name})
 
 
 def check_spills() -> int:
