@@ -15,7 +15,9 @@ on chip. Rows ``x [N, D]`` are normalised in groups of ``G`` channels (``G = D``
   weight gradient; those per-program partial sums ``[programs, D]`` (float32) are added in torch.
 * launch settings: no autotuning (memory-bound row kernels); the tile is about :data:`TILE`
   elements, the warps grow with it (1 to 8, as fla's norms; 16 for the widest groups); tiny
-  fixed tiles under the interpreter. Rows may have a stride (``x``, ``z``, ``dy``), the last dimension must be dense.
+  fixed tiles under the interpreter.
+* rows may have a stride (``x``, ``z``, ``dy``: e.g. Mamba-2's ``z``, a slice of the
+  in-projection's output, is read in place); the last dimension must be dense.
 
 Groups wider than :data:`MAX_GROUP` channels do not fit in registers: the layers take their plain
 path for them.
