@@ -10,8 +10,8 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
     python scripts/kernel_resources.py            # the table below, about a minute on one core
     python scripts/kernel_resources.py --all      # every kernel of both ops at the largest head
                                                   # sizes, bf16 and fp32: shared memory must fit
-    python scripts/kernel_resources.py --spills   # the conv and selective-scan kernels at every
-                                                  # launch setting they may run with: no spills
+    python scripts/kernel_resources.py --spills   # the conv, selective-scan and norm kernels at
+                                                  # every launch setting they may run with: no spills
                                                   # (beyond the allowance named in SPILL_ALLOWED)
     python scripts/kernel_resources.py --fingerprint BEFORE.json   # a hash of each kernel's PTX
     python scripts/kernel_resources.py --fingerprint AFTER.json --compare BEFORE.json
@@ -184,7 +184,7 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256}
 def elementwise_settings():
     """(name, kernel, types, constexprs, warps, stages) of the conv and selective-scan kernels at
     their benchmark shapes (bf16, silu / softplus, bias, D, z; N = 16) for every launch setting
-    they may run with: the fixed one and each autotuning candidate."""
+    they may run with: the fixed one and each autotuning candidate; then :func:`norm_settings`."""
     import importlib
 
     conv = importlib.import_module("hybridzoo.kernels.triton.conv")
@@ -216,6 +216,42 @@ def elementwise_settings():
             ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
             yield (f"selective_scan {kernel.__name__} BLOCK_D={block_d} warps={warps}", kernel, types(kernel, ce),
                    ce, warps, 3)
+    yield from norm_settings()
+
+
+# (group, gated, norm_before_gate): RMSNorm at d_model 1024 / 4096 / 8192; the gated norm per
+# 128-wide value head (GLA, Gated DeltaNet), over Mamba-2's d_inner 2048 and in 256-wide groups
+NORM_SHAPES = ((1024, False, True), (4096, False, True), (8192, False, True), (128, True, True),
+               (2048, True, False), (256, True, False), (8192, True, False))
+
+
+def norm_settings():
+    """(name, kernel, types, constexprs, warps, stages) of the fused norm kernels at the launch
+    settings they take (no autotuning) for the widths of :data:`NORM_SHAPES`, bf16 and fp32."""
+    import importlib
+
+    norm = importlib.import_module("hybridzoo.kernels.triton.norm")
+    ints = {"N", "D", "stride_x", "stride_z", "stride_dy", "rows_per_program", "steps"}
+    for dt in ("bf16", "fp32"):
+        for group, gated, before in NORM_SHAPES:
+            block_n, block_g, warps = norm._settings(group)
+            for kernel in (norm._fwd_kernel, norm._bwd_kernel):
+                ce = dict(G=group, HAS_Z=gated, NORM_BEFORE_GATE=before, ZERO_CENTERED=not gated,
+                          BLOCK_N=block_n, BLOCK_G=block_g)
+                if kernel is norm._bwd_kernel:
+                    ce["STEPS_INTERP"] = 0
+                types = {n: "i32" if n in ints else "fp32" if n == "eps" else
+                         "*fp32" if n in ("w_ptr", "rstd_ptr", "dw_ptr") else f"*{dt}"
+                         for n in kernel.arg_names if n not in ce}
+                label = f"G={group}" + (f" gated{'' if before else ' gate-first'}" if gated else "")
+                yield f"norm {kernel.__name__} {label} warps={warps} {dt}", kernel, types, ce, warps, 3
+
+
+# The norm backward over 8192-wide gated groups (16 warps: 128 registers per thread at most)
+# spills 68-104 B; Triton 3.9's ptxas spills 4 B in a few other norm backward settings (Triton
+# 3.6: none). Both are allowed; 8 warps would hold twice the elements per thread.
+SPILL_ALLOWED.update({name: 128 if "G=8192 gated" in name else 16
+                      for name, *_ in norm_settings() if "_bwd_kernel" in name})
 
 
 def fused_layer_settings():
