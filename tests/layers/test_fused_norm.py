@@ -13,6 +13,7 @@ from hybridzoo.kernels import fused
 from hybridzoo.layers import GatedRMSNorm, RMSNorm
 from hybridzoo.layers import norms, recompute
 from hybridzoo.utils import rel_err
+from tests.kernels.triton.fused_calls import force_and_count
 from tests.kernels.triton.test_norm import formula
 from tests.layers.saved_bytes import saved_tensors
 
@@ -25,16 +26,7 @@ def calls(monkeypatch):
     """Force the fused path and count the calls of each Triton launcher."""
     from hybridzoo.kernels.triton import norm as kernels
 
-    monkeypatch.setattr(fused, "FORCE", True)
-    counts = {}
-    for name in kernels.__all__:
-        if name.endswith(("_fwd", "_bwd")):
-            def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
-                counts[_name] = counts.get(_name, 0) + 1
-                return _fn(*args, **kwargs)
-
-            monkeypatch.setattr(kernels, name, counted)
-    return counts
+    return force_and_count(monkeypatch, kernels)
 
 
 def _grads(out, leaves, seed=1):

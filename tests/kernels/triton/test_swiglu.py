@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridzoo.kernels import fused
 from hybridzoo.kernels.triton import launch, swiglu
 from hybridzoo.layers import SwiGLU
 from hybridzoo.utils import rel_err
+from tests.kernels.triton.fused_calls import force_and_count
 
 F64 = torch.float64
 
@@ -50,11 +50,7 @@ def test_fused_passes_refuse_float64_and_mismatched_shapes():
 
 
 def test_swiglu_module_takes_the_fused_path_and_matches_float64(monkeypatch):
-    calls = []
-    for name in ("swiglu_fwd", "swiglu_bwd"):
-        original = getattr(swiglu, name)
-        monkeypatch.setattr(swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    monkeypatch.setattr(fused, "FORCE", True)
+    calls = force_and_count(monkeypatch, swiglu)
     torch.manual_seed(0)
     mlp = SwiGLU(24, 40)
     x = torch.randn(2, 7, 24, requires_grad=True)
@@ -62,11 +58,11 @@ def test_swiglu_module_takes_the_fused_path_and_matches_float64(monkeypatch):
     mlp64.load_state_dict(mlp.state_dict())
     x64 = x.detach().double().requires_grad_()
     y, y64 = mlp(x), mlp64(x64)
-    assert calls == ["swiglu_fwd"]
+    assert calls == {"swiglu_fwd": 1}
     grad = torch.randn_like(y64)
     y.backward(grad.float())
     y64.backward(grad)
-    assert calls == ["swiglu_fwd", "swiglu_bwd"]
+    assert calls == {"swiglu_fwd": 1, "swiglu_bwd": 1}
     assert rel_err(y, y64) <= 1e-5 and rel_err(x.grad, x64.grad) <= 1e-5
     for p, p64 in zip(mlp.parameters(), mlp64.parameters()):
         assert rel_err(p.grad, p64.grad) <= 1e-5
