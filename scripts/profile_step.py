@@ -1,8 +1,9 @@
 """Profile one training step (forward + backward) of a recipe on CUDA: the top kernels by GPU time.
 
     python3 scripts/profile_step.py gated-deltanet-340m --tokens 8192 --out profile.txt
+    python3 scripts/profile_step.py mamba2-130m --batch 8 --tokens 2048   # the model table's step
 
-fp32 weights, bf16 autocast, batch 1, random tokens, one warm-up step (compilation) then one
+fp32 weights, bf16 autocast, ``--batch`` sequences (1) of ``--tokens`` tokens, random tokens, one warm-up step (compilation) then one
 timed and one profiled step; prints the step time and the table of the 30 kernels that took the
 most GPU time. ``--seco <chunk>``: the step is ``seco_step(model, batch, chunk)`` (SeCO, exact
 chunked training) instead of one forward + backward of the whole sequence.
@@ -25,13 +26,14 @@ from hybridzoo.training.seco_engine import seco_step  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (the model table: 8 x 2048)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--seco", type=int, default=None, metavar="CHUNK",
                         help="profile seco_step with this chunk size instead of full backprop")
     args = parser.parse_args()
     model = HybridLM.from_recipe(args.recipe).cuda()
-    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens), device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -53,7 +55,9 @@ def main() -> int:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     how = f"seco_step chunk {args.seco}" if args.seco else "full backprop"
-    text = f"{args.recipe}: {args.tokens} tokens, {how}, step {wall * 1e3:.1f} ms ({args.tokens / wall:,.0f} tokens/s)\n{table}"
+    tokens = args.batch * args.tokens
+    text = (f"{args.recipe}: {args.batch} x {args.tokens} tokens, {how}, step {wall * 1e3:.1f} ms "
+            f"({tokens / wall:,.0f} tokens/s)\n{table}")
     print(text)
     if args.out:
         Path(args.out).write_text(text)
