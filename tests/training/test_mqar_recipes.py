@@ -231,3 +231,18 @@ def test_set_overrides_the_hybridzoo_mixer_and_names_the_run(tmp_path):
     names = sorted(job["id"] for job in jobs)
     assert names == ["cpu-smoke-mqar-attn-l-hybridzoo-lr0.003-s0", "cpu-smoke-mqar-attn-l-reference-lr0.003-s0",
                      "cpu-smoke-mqar-gdn-l-decay_init=multiscale-hybridzoo-lr0.003-s0"]
+
+
+def test_initial_decays_script_reads_each_heads_decay_from_the_model():
+    """scripts/initial_decays.py: per layer, each head's exp(-exp(A_log) softplus(dt_bias)); with
+    ``decay_init: multiscale`` the memories are the documented log-spaced ends of memory_range."""
+    from tests.conftest import load_script
+
+    script = load_script("initial_decays")
+    layers = script.initial_decays("mqar-gdn-l", 0, {"gdn.decay_init": "multiscale",
+                                                     "gdn.memory_range": [16, 1024]})
+    assert len(layers) == 2 and all(len(heads) == 2 for heads in layers)
+    for heads in layers:
+        assert [round(1 / (1 - a)) for a in heads] == [16, 1024]
+    drawn = script.initial_decays("mqar-gdn-l", 0)
+    assert drawn != layers and all(0 < a < 1 for heads in drawn for a in heads)
