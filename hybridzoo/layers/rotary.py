@@ -5,10 +5,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridzoo.kernels import fused
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """The rotation of :meth:`Rotary.forward` as one fused Triton pass
+    (:mod:`hybridzoo.kernels.triton.rotary`); its backward is the rotation by the opposite angles.
+    ``x [B, T, H, D]``, ``cos, sin [T, rotary_dim / 2]`` float32 -> ``[B, T, H, D]`` in x.dtype."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        from hybridzoo.kernels.triton.rotary import rotary_fwd
+
+        ctx.save_for_backward(cos, sin)
+        return rotary_fwd(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from hybridzoo.kernels.triton.rotary import rotary_fwd
+
+        cos, sin = ctx.saved_tensors
+        return rotary_fwd(grad, cos, sin, inverse=True), None, None
 
 
 class Rotary(nn.Module):
@@ -17,7 +39,9 @@ class Rotary(nn.Module):
     ``inv_freq[i] = base ** (-2i / rotary_dim)``. Positions start at ``offset`` (the number of
     tokens already in the state), so a sequence fed in pieces gets the same angles as in one call.
 
-    Shapes: ``x [B, T, H, head_dim]`` -> same shape and dtype.
+    Shapes: ``x [B, T, H, head_dim]`` -> same shape and dtype. On a GPU the rotation is one
+    Triton pass each way (:mod:`hybridzoo.kernels.triton.rotary`; see
+    :mod:`hybridzoo.kernels.fused`); the plain body is the spec.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0):
@@ -42,15 +66,23 @@ class Rotary(nn.Module):
             freq = self._inv_freq[key] = (self.base ** -exponent).float().to(key)
         return freq
 
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``positions [T]`` (int) -> ``positions * inv_freq`` ``[T, rotary_dim / 2]`` in float32
+        (float64 kept)."""
+        compute = torch.promote_types(dtype, torch.float32)
+        return positions.to(compute)[:, None] * self.inv_freq(positions.device).to(compute)[None, :]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` (int) -> cos, sin ``[T, rotary_dim]`` in float32 (float64 kept)."""
-        compute = torch.promote_types(dtype, torch.float32)
-        freqs = positions.to(compute)[:, None] * self.inv_freq(positions.device).to(compute)[None, :]
+        freqs = self.angles(positions, dtype)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        if fused.applies(x) and x.dim() == 4:  # one Triton pass each way (float32 on chip)
+            freqs = self.angles(positions, x.dtype)
+            return _RotaryFunction.apply(x, freqs.cos(), freqs.sin())
         cos, sin = self.cos_sin(positions, x.dtype)
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]

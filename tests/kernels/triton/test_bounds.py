@@ -138,3 +138,26 @@ def test_prefix_block_backward_in_bounds():
         dq, dk, dv = prefix_block_backward(grad, k_block, v_block, D ** -0.5)
     assert dq.shape == q.shape and dk.shape == k_block.shape and dv.shape == v_block.shape
     assert report.launches > 0 and report.violations == [], report.violations
+
+
+def test_fused_layer_passes_in_bounds(monkeypatch):
+    """The layers' fused passes (norms, SwiGLU, cross-entropy, rotary) through their modules,
+    forward and backward, on ragged shapes (rows, vocabularies, head sizes off the tiles)."""
+    from hybridzoo.kernels import fused
+    from hybridzoo.layers import GatedRMSNorm, RMSNorm, SwiGLU
+    from hybridzoo.layers.rotary import Rotary
+    from hybridzoo.zoo.model import lm_loss
+
+    monkeypatch.setattr(fused, "FORCE", True)
+    torch.manual_seed(5)
+    x, z = _leaf(2, 7, 20), _leaf(2, 7, 20)
+    heads = _leaf(2, 7, 3, 12)
+    logits, targets = _leaf(2, 7, 45), torch.randint(0, 45, (2, 7))
+    targets[0, 2] = -100
+    modules = [RMSNorm(20), GatedRMSNorm(20, group_size=10), SwiGLU(20, 36), Rotary(12, 8)]
+    with bounds_checked() as report:
+        outs = [modules[0](x), modules[1](x, z), modules[2](x), modules[3](heads, offset=5),
+                lm_loss(logits, targets)]
+        grads = _backward(outs, [x, z, heads, logits])
+    assert all(g is not None for g in grads)
+    assert report.launches >= 10 and report.violations == [], report.violations
