@@ -220,9 +220,10 @@ def elementwise_settings():
 
 
 # (group, gated, norm_before_gate): RMSNorm at d_model 1024 / 4096 / 8192; the gated norm per
-# 128-wide value head (GLA, Gated DeltaNet), over Mamba-2's d_inner 2048 and in 256-wide groups
+# 128-wide value head (GLA, Gated DeltaNet), over Mamba-2's d_inner 2048 and in 256-wide groups;
+# Gated DeltaNet's per-head l2 normalisation of q and k (ungrouped kernel, 128-wide groups)
 NORM_SHAPES = ((1024, False, True), (4096, False, True), (8192, False, True), (128, True, True),
-               (2048, True, False), (256, True, False), (8192, True, False))
+               (2048, True, False), (256, True, False), (8192, True, False), (128, False, True))
 
 
 def norm_settings():

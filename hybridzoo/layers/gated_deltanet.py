@@ -50,8 +50,7 @@ from torch import nn
 from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, projection_input
 from hybridzoo.layers.conv import ShortConv
-from hybridzoo.layers.norms import GatedRMSNorm
-from hybridzoo.layers.recompute import maybe_recomputed
+from hybridzoo.layers.norms import GatedRMSNorm, l2_normalize
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
@@ -204,9 +203,9 @@ class GatedDeltaNet(Mixer):
         # q, k normalised in float32, then handed to the kernel in the activation dtype (bf16
         # under autocast: tensor-core dots; float32 q/k would force exact fp32 dots, ~10x slower)
         act = activation_dtype(x)
-        # recomputed in the backward: only q and k as given are kept, not their float32 copies
-        q, k = maybe_recomputed(lambda a, b: tuple(_l2norm(t.unflatten(-1, (Hk, K)).to(compute)).to(act)
-                                                   for t in (a, b)), q, k)  # [B, T, Hk, K]
+        # only q and k as given are kept, not their float32 copies (l2_normalize: one fused pass
+        # each way on a GPU, else the plain body recomputed in the backward)
+        q, k = (l2_normalize(t, K, L2_EPS).unflatten(-1, (Hk, K)).to(act) for t in (q, k))  # [B, T, Hk, K]
         v = v.unflatten(-1, (H, V)).to(act)                                 # [B, T, H, V]
         z = self.in_proj_z(h).unflatten(-1, (H, V))
         beta = self.in_proj_b(h).to(compute).sigmoid()                      # [B, T, H]
@@ -232,11 +231,6 @@ class GatedDeltaNet(Mixer):
         return (f"d_model={self.d_model}, k_heads={self.num_k_heads}x{self.head_k_dim}, "
                 f"v_heads={self.num_v_heads}x{self.head_v_dim}, conv_size={self.config.conv_size}, "
                 f"chunk_size={self.config.chunk_size}")
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(Σ x² + eps)`` over the last dimension (HF's and fla's ``l2norm``)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
 _COMMON_KEYS = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")

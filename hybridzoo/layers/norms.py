@@ -139,6 +139,48 @@ class _GatedRMSNormFunction(torch.autograd.Function):
                   for g, t, need in zip(grads, (x, z, weight), ctx.needs_input_grad)), None, None, None)
 
 
+def l2_normalize(x: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """``x / sqrt(Σ x² + eps)`` over each group of ``group_size`` channels of the last dimension
+    (fla's and HF's ``l2norm`` per head): ``x [..., n · group_size]`` -> same shape in ``x.dtype``,
+    computed in float32 (float64 kept).
+
+    For the backward only ``x`` is kept: where :func:`hybridzoo.kernels.fused.applies`, one fused
+    Triton kernel per direction (RMSNorm with weight ``group_size ** -0.5`` and eps
+    ``eps / group_size``, the same function) keeping ``x`` and one float32 rstd per group; otherwise
+    the plain body, recomputed in the backward when a gradient is wanted."""
+    if x.dim() >= 2 and _fused_kernels(group_size, x) is not None:
+        return _L2NormFunction.apply(x, group_size, eps)
+
+    def plain(t: torch.Tensor) -> tuple[torch.Tensor]:
+        tf = t.unflatten(-1, (-1, group_size)).to(torch.promote_types(t.dtype, torch.float32))
+        return ((tf * torch.rsqrt((tf * tf).sum(-1, keepdim=True) + eps)).flatten(-2).to(t.dtype),)
+
+    return maybe_recomputed(plain, x)[0]
+
+
+class _L2NormFunction(torch.autograd.Function):
+    """:func:`l2_normalize` with the fused grouped-RMSNorm kernels; keeps ``x`` and ``rstd``."""
+
+    @staticmethod
+    def forward(ctx, x, group_size, eps):
+        from hybridzoo.kernels.triton import norm
+
+        weight = torch.full((x.shape[-1],), group_size ** -0.5, dtype=torch.float32, device=x.device)
+        y, rstd = norm.grouped_rms_norm_fwd(x.flatten(0, -2), weight, eps / group_size, group_size)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.group_size = group_size
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        from hybridzoo.kernels.triton import norm
+
+        x, weight, rstd = ctx.saved_tensors
+        dx, _ = norm.grouped_rms_norm_bwd(grad.flatten(0, -2), x.flatten(0, -2), weight, rstd, ctx.group_size)
+        return dx.view(x.shape), None, None
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation over the last dimension.
 

@@ -150,6 +150,46 @@ def test_mamba2_mixer_takes_the_fused_gated_norm_inside_its_recomputed_body(call
     assert calls == {"gated_rms_norm_fwd": 2, "gated_rms_norm_bwd": 1}
 
 
+def test_l2_normalize_fused_is_the_float64_formula_and_keeps_x_and_rstd(calls, monkeypatch):
+    """Per-head l2 normalisation (Gated DeltaNet's q and k) through the grouped-norm kernels, from
+    a strided slice as the mixer hands it over; values and gradients against float64."""
+    monkeypatch.setattr(recompute, "recomputed", None)  # the fused path recomputes nothing in PyTorch
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3 * 12, requires_grad=True)
+    q = qkv[..., :12]  # two heads of 6 channels, rows 36 apart
+    y = norms.l2_normalize(q, 6, 1e-6)
+    q64 = q.detach().double().unflatten(-1, (2, 6)).requires_grad_()
+    want = q64 / torch.sqrt((q64 * q64).sum(-1, keepdim=True) + 1e-6)
+    assert calls == {"grouped_rms_norm_fwd": 1}
+    assert y.shape == q.shape and rel_err(y, want.flatten(-2)) <= 1e-6
+    grad = torch.randn(2, 5, 12, dtype=F64)
+    y.backward(grad.float())
+    want.flatten(-2).backward(grad)
+    assert calls == {"grouped_rms_norm_fwd": 1, "grouped_rms_norm_bwd": 1}
+    assert rel_err(qkv.grad[..., :12], q64.grad.flatten(-2)) <= 1e-6 and (qkv.grad[..., 12:] == 0).all()
+    kept = saved_tensors(lambda: norms.l2_normalize(q, 6, 1e-6))
+    assert sorted(tuple(t.shape) for t in kept) == [(2, 5, 12), (10, 2), (12,)]  # x, rstd, the weight
+
+
+def test_gated_deltanet_takes_the_fused_l2_norm_and_matches_the_plain_path(calls, monkeypatch):
+    from hybridzoo.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(16, GatedDeltaNetConfig(num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                                                 chunk_size=4))
+    x = torch.randn(2, 9, 16)
+    results = {}
+    for force in (False, True):
+        monkeypatch.setattr(fused, "FORCE", force)
+        mixer.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = mixer(xl)[0]
+        results[force] = (y, *_grads(y, [xl, *mixer.parameters()]))
+    for plain, fused_ in zip(results[False], results[True]):
+        assert rel_err(fused_, plain) <= 1e-5
+    assert calls["grouped_rms_norm_fwd"] == 2 and calls["grouped_rms_norm_bwd"] == 2  # q and k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 def test_gpu_layers_take_the_fused_kernels_and_match_the_plain_path(calls, monkeypatch, gated):

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
 
-__all__ = ["MAX_GROUP", "gated_rms_norm_bwd", "gated_rms_norm_fwd", "rms_norm_bwd", "rms_norm_fwd"]
+__all__ = ["MAX_GROUP", "gated_rms_norm_bwd", "gated_rms_norm_fwd", "grouped_rms_norm_bwd", "grouped_rms_norm_fwd",
+           "rms_norm_bwd", "rms_norm_fwd"]
 
 MAX_GROUP = 8192  # widest group (channels) one program holds in registers
 # Elements of a program's [BLOCK_N, BLOCK_G] tile on a GPU. At 8 per thread the backward takes
@@ -220,6 +221,20 @@ def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd
     """RMSNorm's backward from ``grad [N, D]``, the forward's ``x [N, D]``, ``weight [D]`` and
     ``rstd [N]`` (float32): ``(grad_x [N, D] in x.dtype, grad_weight [D] in weight.dtype)``."""
     dx, _, dw = _bwd(grad, x, None, weight, rstd.view(-1, 1), weight.shape[0], True, zero_centered)
+    return dx, dw
+
+
+def grouped_rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each group of ``group_size`` channels of a row (no gate): ``x [N, D]``,
+    ``weight [D]`` -> ``(y [N, D] in x.dtype, rstd [N, D // group_size] float32)``."""
+    return _fwd(x, None, weight, eps, group_size, True, False)
+
+
+def grouped_rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                         group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`grouped_rms_norm_fwd`: ``(grad_x in x.dtype, grad_weight [D])``."""
+    dx, _, dw = _bwd(grad, x, None, weight, rstd, group_size, True, False)
     return dx, dw
 
 

@@ -141,10 +141,11 @@ def test_prefix_block_backward_in_bounds():
 
 
 def test_fused_layer_passes_in_bounds(monkeypatch):
-    """The layers' fused passes (norms, SwiGLU, cross-entropy, rotary) through their modules,
+    """The layers' fused passes (norms, l2 norm, SwiGLU, cross-entropy, rotary) through their modules,
     forward and backward, on ragged shapes (rows, vocabularies, head sizes off the tiles)."""
     from hybridzoo.kernels import fused
     from hybridzoo.layers import GatedRMSNorm, RMSNorm, SwiGLU
+    from hybridzoo.layers.norms import l2_normalize
     from hybridzoo.layers.rotary import Rotary
     from hybridzoo.zoo.model import lm_loss
 
@@ -157,7 +158,7 @@ def test_fused_layer_passes_in_bounds(monkeypatch):
     modules = [RMSNorm(20), GatedRMSNorm(20, group_size=10), SwiGLU(20, 36), Rotary(12, 8)]
     with bounds_checked() as report:
         outs = [modules[0](x), modules[1](x, z), modules[2](x), modules[3](heads, offset=5),
-                lm_loss(logits, targets)]
+                lm_loss(logits, targets), l2_normalize(z[..., 5:], 5, 1e-6)]
         grads = _backward(outs, [x, z, heads, logits])
     assert all(g is not None for g in grads)
-    assert report.launches >= 10 and report.violations == [], report.violations
+    assert report.launches >= 12 and report.violations == [], report.violations
