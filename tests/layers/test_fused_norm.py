@@ -136,8 +136,14 @@ def test_mamba2_mixer_takes_the_fused_gated_norm_inside_its_recomputed_body(call
     from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 
     torch.manual_seed(0)
-    mixer = Mamba2(8, Mamba2Config(d_state=4, head_dim=4, n_groups=2, chunk_size=4))
-    x = torch.randn(2, 9, 8)
+    _assert_mixer_fused_equals_plain(Mamba2(8, Mamba2Config(d_state=4, head_dim=4, n_groups=2, chunk_size=4)),
+                                     monkeypatch, 8)
+    assert calls == {"gated_rms_norm_fwd": 2, "gated_rms_norm_bwd": 1}
+
+
+def _assert_mixer_fused_equals_plain(mixer, monkeypatch, d_model: int):
+    """The mixer's output and every gradient with the fused path forced equal the plain path's."""
+    x = torch.randn(2, 9, d_model)
     results = {}
     for force in (False, True):
         monkeypatch.setattr(fused, "FORCE", force)
@@ -147,7 +153,6 @@ def test_mamba2_mixer_takes_the_fused_gated_norm_inside_its_recomputed_body(call
         results[force] = (y, *_grads(y, [xl, *mixer.parameters()]))
     for plain, fused_ in zip(results[False], results[True]):
         assert rel_err(fused_, plain) <= 1e-5
-    assert calls == {"gated_rms_norm_fwd": 2, "gated_rms_norm_bwd": 1}
 
 
 def test_l2_normalize_fused_is_the_float64_formula_and_keeps_x_and_rstd(calls, monkeypatch):
@@ -175,18 +180,8 @@ def test_gated_deltanet_takes_the_fused_l2_norm_and_matches_the_plain_path(calls
     from hybridzoo.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 
     torch.manual_seed(0)
-    mixer = GatedDeltaNet(16, GatedDeltaNetConfig(num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
-                                                 chunk_size=4))
-    x = torch.randn(2, 9, 16)
-    results = {}
-    for force in (False, True):
-        monkeypatch.setattr(fused, "FORCE", force)
-        mixer.zero_grad()
-        xl = x.clone().requires_grad_()
-        y = mixer(xl)[0]
-        results[force] = (y, *_grads(y, [xl, *mixer.parameters()]))
-    for plain, fused_ in zip(results[False], results[True]):
-        assert rel_err(fused_, plain) <= 1e-5
+    _assert_mixer_fused_equals_plain(GatedDeltaNet(16, GatedDeltaNetConfig(
+        num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8, chunk_size=4)), monkeypatch, 16)
     assert calls["grouped_rms_norm_fwd"] == 2 and calls["grouped_rms_norm_bwd"] == 2  # q and k
 
 
