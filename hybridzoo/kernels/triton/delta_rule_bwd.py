@@ -1,4 +1,7 @@
-"""Backward kernels of the Triton chunkwise gated delta rule (see :mod:`.delta_rule` for the forward).
+"""Backward kernels of the Triton chunkwise gated delta rule and their launcher,
+:func:`delta_rule_backward` (the forward and the autograd Function that calls it are in
+:mod:`.delta_rule`; the ``@triton.jit`` helpers and state-kernel launch settings both share are
+in :mod:`.delta_rule_common`, so this module imports neither kernel module).
 
 Per chunk, with the forward's ``Tm, W, U0, Vn`` and states ``S0`` (entering) recomputed, and
 ``dS1`` the gradient of the state leaving the chunk (``dO`` scaled by ``scale`` where it meets O)::
@@ -27,10 +30,10 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
-from hybridzoo.kernels.triton.delta_rule import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                 _cols_block, _dot, _load_rows, _put, _rows_block,
-                                                 _state_block, _state_block_t, _state_decays, _store_rows, _tile,
-                                                 prune_state_configs)
+from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
+                                                        _cols_block, _dot, _load_rows, _put, _rows_block,
+                                                        _state_block, _state_block_t, _state_decays, _store_rows,
+                                                        _tile, prune_state_configs)
 
 
 @triton.jit

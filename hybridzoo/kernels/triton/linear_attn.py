@@ -26,9 +26,13 @@ clamped ``log_a`` is 0. Dots run on the input dtype (bf16/fp16 tensor cores) wit
 accumulation; fp32 inputs use ``input_precision="tf32x3"`` (float32 accuracy on tensor cores;
 exact "ieee" dots spilled up to 37 KB per thread, see scripts/kernel_resources.py). States are fp32.
 
-Backward (``linear_attn_bwd.py``) recomputes ``b`` and the chunk-boundary states (one state per
-chunk, none per token) and gets ``dlog_a`` from the closed form of
-:func:`hybridzoo.kernels.reference.linear_attn.gla_decay_grad`.
+Backward (:mod:`.linear_attn_bwd`, its kernels and launcher): the autograd Function keeps ``b``
+(and the per-key ``A``), recomputes the chunk-boundary states with :func:`fwd_h` (one state per
+chunk, none per token) and hands them to :func:`~.linear_attn_bwd.chunk_linear_attn_bwd`, which
+gets ``dlog_a`` from the closed form of
+:func:`hybridzoo.kernels.reference.linear_attn.gla_decay_grad`. What the forward and backward
+kernels share (``LOG_A_MIN``, tile widths, the clamped ``exp``, the stored states' dtype, the
+autotuning settings) is in :mod:`.linear_attn_common` (and importable from here too).
 
 Chunk sizes 16, 32 and 64 run natively; any other ``chunk_size >= 1`` runs with 64 (the chunk
 size is a tiling choice: the result does not depend on it).
@@ -36,30 +40,19 @@ size is a tiling choice: the result does not depend on it).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.linear_attn import _check
 from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
+from hybridzoo.kernels.triton.linear_attn_common import (CHUNK_TUNING, LOG_A_MIN, STATE_TUNING, SUB_CHUNK,
+                                                         TUNE_KEY, _block, _exp_le0, state_dtype)
 
 __all__ = ["chunk_linear_attn", "chunk_linear_attn_grads", "SUPPORTED_CHUNK_SIZES"]
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
-LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
-SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
-
-
-def _block(dim: int) -> int:
-    """Tile width along a head dimension: a power of 2 in [16, 64] (wider heads loop over tiles)."""
-    return min(max(16, triton.next_power_of_2(dim)), 64)
-
-
-@triton.jit
-def _exp_le0(x):
-    """exp of an exponent that is mathematically <= 0 (clamped: padded rows never overflow)."""
-    return tl.exp(tl.minimum(x, 0.0))
 
 
 @triton.jit
@@ -232,27 +225,9 @@ def _fwd_o_kernel(q, k, v, b, h, A, o, scale, T, NT, H: tl.constexpr, HK: tl.con
 
 # ----------------------------------------------------------------------------------- launchers
 
-# On a GPU the chunk kernels are autotuned (launch.autotuned) over num_warps, and over the
-# pipelining stages of the sequential state loops, or the key- and value-tile widths of the
-# per-chunk kernels (at K = V = 128, tiles of 128 read q, k, v and dO and build the scores once
-# instead of once per 64-wide tile). Under the interpreter, or with launch.AUTOTUNE off, they run
-# with the fixed settings of their launchers (tiles of at most 64, launch.warps). The results do
-# not depend on the setting.
-TUNE_KEY = ["H", "HK", "K", "V", "C", "DECAY", "PREC"]
-STATE_TUNING = dict(configs=launch.warp_configs(stages=(1, 2, 3)), prune=launch.prune_warps("C", "BK", "BV"))
-_TILES = (16, 32, 64, 128)
-CHUNK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES, "BV": _TILES}),
-                    prune=launch.prune_warps("C", tiles=("BK", "BV"), limit={"BK": "K", "BV": "V"}))
+# autotuned on a GPU over the settings in linear_attn_common (the fixed ones otherwise)
 _fwd_h = launch.autotuned(_fwd_h_kernel, key=TUNE_KEY + ["HAS_H0", "STORE_H", "STORE_HT"], **STATE_TUNING)
 _fwd_o = launch.autotuned(_fwd_o_kernel, key=TUNE_KEY, **CHUNK_TUNING)
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the stored chunk-boundary states ``h`` (and of ``dh`` in the backward): the inputs'
-    for 16-bit inputs, as fla stores them (the dots that read them round to 16 bits anyway; it
-    halves their HBM traffic, about a fifth of the forward at D = 128), else float32. Carried
-    states (``initial_state``, ``final_state``) are always float32."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _decay_kind(log_a: torch.Tensor | None) -> int:
@@ -341,12 +316,11 @@ class _ChunkLinearAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dhT):
-        from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
-
         q, k, v, log_a, initial_state, b, A = ctx.saved_tensors
+        h, _ = fwd_h(k, v, b, ctx.decay, initial_state, ctx.C)  # the chunk states, recomputed
         dq, dk, dv, dlog_a, dh0 = chunk_linear_attn_bwd(
             q, k, v, log_a, initial_state, do, dhT, ctx.scale, ctx.C, ctx.decay,
-            need_dlog_a=ctx.needs_input_grad[3], need_dh0=ctx.needs_input_grad[4], b=b, A=A)
+            need_dlog_a=ctx.needs_input_grad[3], need_dh0=ctx.needs_input_grad[4], b=b, A=A, h=h)
         return dq, dk, dv, dlog_a, dh0, None, None, None
 
 
@@ -420,10 +394,9 @@ def chunk_linear_attn_grads(q, k, v, log_a, initial_state, do, dfinal, *, scale=
     decay = _decay_kind(la)
     b = chunk_cumsum(la, C) if decay else None
     A = intra_A(qc, kc, b, v.shape[2], C) if decay == 2 else None
-    from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
-
+    h, _ = fwd_h(kc, vc, b, decay, h0, C)
     grads = chunk_linear_attn_bwd(qc, kc, vc, la, h0, do, dfinal, scale, C, decay,
                                   need_dlog_a=log_a is not None, need_dh0=initial_state is not None,
-                                  b=b, A=A)
+                                  b=b, A=A, h=h)
     return tuple(None if g is None or x is None else g.to(x.dtype)
                  for g, x in zip(grads, (q, k, v, log_a, initial_state)))

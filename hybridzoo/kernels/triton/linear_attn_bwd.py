@@ -1,4 +1,7 @@
-"""Triton chunkwise (gated) linear attention: backward kernels (forward in ``linear_attn.py``).
+"""Triton chunkwise (gated) linear attention: backward kernels and their launcher,
+:func:`chunk_linear_attn_bwd` (the forward, the autograd Function that calls it and the state
+recompute it is given are in :mod:`.linear_attn`; what both share is in :mod:`.linear_attn_common`,
+so this module imports neither kernel module).
 
 Per chunk j with incoming state ``h_j``, the gradient ``dh_j`` of the state LEAVING the chunk,
 ``q̃ = q ⊙ exp(b)`` (reads of h_j), ``k̂ = k ⊙ exp(g − b)`` (writes surviving to the chunk end),
@@ -37,7 +40,7 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
-from hybridzoo.kernels.triton.linear_attn import (
+from hybridzoo.kernels.triton.linear_attn_common import (
     CHUNK_TUNING,
     LOG_A_MIN,
     STATE_TUNING,
@@ -45,7 +48,6 @@ from hybridzoo.kernels.triton.linear_attn import (
     TUNE_KEY,
     _block,
     _exp_le0,
-    fwd_h,
     state_dtype,
 )
 
@@ -331,7 +333,7 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
             tl.store(dg + i_k * dg_stride + rows * H + i_h, tl.sum(tl.where(m_k, dg_t, 0.0), axis=1), mask=m_t)
 
 
-# autotuned on a GPU like the forward's kernels (see linear_attn.py); _bwd_dqk_kernel adds to
+# autotuned on a GPU like the forward's kernels (see linear_attn_common.py); _bwd_dqk_kernel adds to
 # dq / dk in place for per-key decays, so they are restored between trials
 _bwd_dh = launch.autotuned(_bwd_dh_kernel, key=TUNE_KEY + ["HAS_DHT", "STORE_DH0"], **STATE_TUNING)
 _bwd_dv = launch.autotuned(_bwd_dv_kernel, key=TUNE_KEY, **CHUNK_TUNING)
@@ -339,11 +341,13 @@ _bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restor
                             **CHUNK_TUNING)
 
 
-def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A,
+def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A, h,
                           need_dlog_a=True, need_dh0=True):
     """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero).
     ``b`` (the in-chunk cumulative decays, ``chunk_cumsum``; None without decay) and ``A`` (the
-    per-key scores, ``intra_A``; None unless per-key) as the forward made them."""
+    per-key scores, ``intra_A``; None unless per-key) as the forward made them; ``h`` the states
+    entering each chunk (``[B, H, NT, K, V]``, :func:`~.linear_attn_common.state_dtype`), as
+    ``linear_attn.fwd_h`` recomputes them from ``k, v, b`` and ``initial_state``."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     NT = triton.cdiv(T, C)
@@ -355,7 +359,6 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     if dhT is not None:
         dhT = dhT.to(torch.float32).contiguous()
     need_dlog_a = need_dlog_a and decay > 0
-    h, _ = fwd_h(k, v, b, decay, initial_state, C, store_h=True)
     b_ = b if b is not None else dummy
 
     dh = launch.empty((B, H, NT, K, V), state_dtype(v.dtype), v.device)

@@ -1,0 +1,55 @@
+"""What the forward (:mod:`.linear_attn`) and backward (:mod:`.linear_attn_bwd`) kernels of the
+Triton chunkwise (gated) linear attention share: the ``log_a`` clamp (``LOG_A_MIN``), the
+per-key sub-chunk (``SUB_CHUNK``), the tile width along a head dimension (:func:`_block`), the
+clamped ``exp`` (:func:`_exp_le0`, ``@triton.jit``), the dtype of the stored chunk states
+(:func:`state_dtype`) and the autotuning settings of the chunk kernels (``TUNE_KEY``,
+``STATE_TUNING``, ``CHUNK_TUNING``).
+
+Both kernel modules import from here, and :mod:`.linear_attn` imports :mod:`.linear_attn_bwd`: no
+import cycle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.triton import launch
+
+
+LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
+SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
+
+
+def _block(dim: int) -> int:
+    """Tile width along a head dimension: a power of 2 in [16, 64] (wider heads loop over tiles)."""
+    return min(max(16, triton.next_power_of_2(dim)), 64)
+
+
+@triton.jit
+def _exp_le0(x):
+    """exp of an exponent that is mathematically <= 0 (clamped: padded rows never overflow)."""
+    return tl.exp(tl.minimum(x, 0.0))
+
+
+# On a GPU the chunk kernels are autotuned (launch.autotuned) over num_warps, and over the
+# pipelining stages of the sequential state loops, or the key- and value-tile widths of the
+# per-chunk kernels (at K = V = 128, tiles of 128 read q, k, v and dO and build the scores once
+# instead of once per 64-wide tile). Under the interpreter, or with launch.AUTOTUNE off, they run
+# with the fixed settings of their launchers (tiles of at most 64, launch.warps). The results do
+# not depend on the setting.
+TUNE_KEY = ["H", "HK", "K", "V", "C", "DECAY", "PREC"]
+STATE_TUNING = dict(configs=launch.warp_configs(stages=(1, 2, 3)), prune=launch.prune_warps("C", "BK", "BV"))
+_TILES = (16, 32, 64, 128)
+CHUNK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES, "BV": _TILES}),
+                    prune=launch.prune_warps("C", tiles=("BK", "BV"), limit={"BK": "K", "BV": "V"}))
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the stored chunk-boundary states ``h`` (and of ``dh`` in the backward): the inputs'
+    for 16-bit inputs, as fla stores them (the dots that read them round to 16 bits anyway; it
+    halves their HBM traffic, about a fifth of the forward at D = 128), else float32. Carried
+    states (``initial_state``, ``final_state``) are always float32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
