@@ -119,15 +119,18 @@ INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w", "tm"}  # tensors in the i
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
 
-def all_kernels():
+def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
     """Every Triton kernel of the linear-attention and delta-rule ops, with the largest head sizes
-    the ops take (K = V = 256) and the launch settings the ops use, for bf16 and fp32 inputs."""
+    the ops take (K = V = 256) and the launch settings the ops use, for bf16 and fp32 inputs
+    (``dtypes``: a subset of those)."""
     import inspect
 
     import hybridzoo.kernels.triton.linear_attn_bwd as linear_attn_bwd
     import hybridzoo.kernels.triton.prefix_attention_bwd as prefix_bwd
 
     for dt, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        if dt not in dtypes:
+            continue
         prec = launch.dot_precision(torch_dtype)
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
@@ -340,7 +343,8 @@ def main() -> int:
         return check_spills()
     if "--all" in sys.argv[1:]:
         bad = 0
-        for name, kernel, types, constexprs, warps, stages in all_kernels():
+        dtypes = tuple(args[args.index("--dtype") + 1].split(",")) if "--dtype" in args else ("bf16", "fp32")
+        for name, kernel, types, constexprs, warps, stages in all_kernels(dtypes):
             try:
                 r = resources(kernel, types, constexprs, warps, stages)
                 flag = "OVER THE SHARED-MEMORY LIMIT" if r["shared"] > SHARED_LIMIT else ""
