@@ -1,5 +1,6 @@
-"""When the layers' fused Triton helpers run: RMSNorm, the SwiGLU backward, the token
-cross-entropy (:mod:`hybridzoo.kernels.triton.norm`, ``.swiglu``, ``.cross_entropy``).
+"""When the layers' fused Triton passes run: RMSNorm, the gated RMSNorm and the per-head l2 norm
+(:mod:`hybridzoo.kernels.triton.norm`), SwiGLU (``.swiglu``), the token cross-entropy
+(``.cross_entropy``) and the rotary embedding (``.rotary``).
 
 Those layers are written as autograd Functions whose plain-PyTorch bodies are the spec (any
 device, float64 included). On a CUDA GPU that can run our Triton kernels, the same Functions call
