@@ -1,0 +1,94 @@
+"""Time the selective scan's forward and backward kernels at one time block over channel blocks
+and warps, on CUDA: which launch settings are fastest at a shape.
+
+    python scripts/probe_scan_configs.py --block-t 16 --shape 2,16384,2048,16
+    python scripts/probe_scan_configs.py --block-t 32 --shape 8,2048,1536,16 --out probe.jsonl
+
+bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
+is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
+setting (``{"kernel": "fwd"|"bwd", "block_t", "block_d", "warps", "ms"}`` or an ``"error"``),
+appended to ``--out`` when given. The forward is timed with its per-block states stored (as in
+training); the backward alone, from one stored forward. Checks each backward's gradients against
+the fixed setting's (relative error), so a setting that computes something else shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-t", type=int, required=True)
+    parser.add_argument("--shape", default="2,16384,2048,16", help="B,T,Dm,N")
+    parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
+    parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import triton
+
+    from hybridzoo.kernels.triton import launch, selective_scan as module
+
+    launch.AUTOTUNE = False
+    batch, length, dm, n = (int(v) for v in args.shape.split(","))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    u, delta, z = rand(batch, length, dm), rand(batch, length, dm, scale=0.5), rand(batch, length, dm)
+    B, C = rand(batch, length, n), rand(batch, length, n)
+    A = -torch.arange(1, n + 1, device="cuda", dtype=torch.float32).repeat(dm, 1)
+    D, bias = torch.ones(dm, device="cuda"), rand(dm, scale=0.5, dtype=torch.float32) - 4.0
+    leaves = [t.requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+    dy = rand(batch, length, dm)
+    base = module._config(training=True)
+
+    def run(cfg):
+        module._config = lambda training, cfg=cfg: cfg
+        y, _ = module.selective_scan(u, delta, A, B, C, D, z, bias, delta_softplus=True)
+        return y
+
+    reference = torch.autograd.grad(run(base), leaves, dy)
+    rows = []
+    blocks = [int(v) for v in args.blocks.split(",")]
+    warps = [int(v) for v in args.warps.split(",")]
+    for kernel in ("fwd", "bwd"):
+        for bd in blocks:
+            for w in warps:
+                if args.block_t * bd * triton.next_power_of_2(n) < 32 * w:
+                    continue  # fewer elements than threads
+                cfg = dict(base, block_t=args.block_t, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
+                row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, shape=args.shape)
+                try:
+                    if kernel == "fwd":
+                        ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)
+                    else:
+                        y = run(cfg)
+                        grads = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+                        err = max(float((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+                                  for g, r in zip(grads, reference))
+                        row["max_rel_err_vs_fixed"] = err
+                        ms = triton.testing.do_bench(
+                            lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), warmup=5, rep=40)
+                    row["ms"] = round(ms, 4)
+                except Exception as exc:  # noqa: BLE001 - a setting that cannot compile is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
