@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--shape", default="2,16384,2048,16", help="B,T,Dm,N")
     parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
     parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
+    parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to vary")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -60,11 +61,12 @@ def main() -> int:
     rows = []
     blocks = [int(v) for v in args.blocks.split(",")]
     warps = [int(v) for v in args.warps.split(",")]
-    for kernel in ("fwd", "bwd"):
+    for kernel in args.kernels.split(","):
         for bd in blocks:
             for w in warps:
-                if args.block_t * bd * triton.next_power_of_2(n) < 32 * w:
-                    continue  # fewer elements than threads
+                per_thread = args.block_t * bd * triton.next_power_of_2(n) // (32 * w)
+                if not 4 <= per_thread <= 128:
+                    continue  # tiles of fewer elements than threads, or a long register spill
                 cfg = dict(base, block_t=args.block_t, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
                 row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, shape=args.shape)
                 try:
