@@ -35,7 +35,11 @@ def main() -> int:
     args = parser.parse_args()
     import triton
 
-    from hybridzoo.kernels.triton import launch, selective_scan as module
+    import importlib
+
+    from hybridzoo.kernels.triton import launch
+
+    module = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
 
     launch.AUTOTUNE = False
     batch, length, dm, n = (int(v) for v in args.shape.split(","))
