@@ -43,22 +43,27 @@ def _config(training: bool) -> dict:
 
     A forward that will be differentiated shares ``block_t`` with its backward (which restarts
     from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
-    the fastest of a few measured on one H200 at B2 T16384 D2048 N16 bf16 (fwd 3.6 ms alone,
-    fwd+bwd 25.7 ms). On a GPU the channel block and warps are autotuned (:data:`FWD_CONFIGS`,
-    :data:`BWD_CONFIGS`); these are the settings with autotuning off."""
+    the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
+    softplus bias: ``benchmarks/results/2026-12-02-probe-scan-configs-h200.jsonl``) at both
+    B2 T16384 D2048 N16 (forward 3.74 ms, backward 18.4 ms; 4.89 and 20.9 ms with the 16-wide
+    4-warp forward and 32-wide 8-warp backward used before) and Mamba-130m's B8 T2048 D1536 N16
+    (1.22 ms, 6.64 ms). Narrow channel blocks with few warps: more programs in flight. On a GPU
+    the channel block and warps are autotuned (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these
+    are the settings with autotuning off."""
     if launch.interpret():
         return dict(block_t=8, fwd_block_d=8, fwd_warps=1, bwd_block_d=8, bwd_warps=1)
     if not training:
         return dict(block_t=32, fwd_block_d=16, fwd_warps=8)
-    return dict(block_t=16, fwd_block_d=16, fwd_warps=4, bwd_block_d=32, bwd_warps=8)
+    return dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
 
 
 # Autotuned channel blocks and warps (the time block is fixed by _config: the backward restarts
-# from the forward's per-block states). All compile for sm_90 without register spills at
-# N = 16 except the backward's fixed 32-channel / 8-warp tile (236 B per thread), kept as a
-# candidate since it was the fastest measured; scripts/kernel_resources.py, checked by a CPU test.
-FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((16, 4), (32, 4), (8, 4), (16, 8))]
-BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((32, 8), (16, 8), (8, 4))]
+# from the forward's per-block states): the fastest few of the probe at both measured shapes. All
+# compile for sm_90 without register spills at N = 16 except the backward's 32-channel / 8-warp
+# tile (236 B per thread), kept as a candidate since it was among the fastest at the large shape;
+# scripts/kernel_resources.py, checked by a CPU test.
+FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 2), (8, 4), (16, 8), (16, 4))]
+BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 1), (8, 2), (16, 4), (32, 8))]
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
 
