@@ -97,7 +97,7 @@ def _llama(config: HybridConfig) -> tuple[nn.Module, str]:
                                   intermediate_size=config.mlp_width, num_hidden_layers=config.n_layers,
                                   num_attention_heads=config.attn.n_heads, num_key_value_heads=config.attn.n_heads,
                                   rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
-                                  attn_implementation="sdpa")
+                                  initializer_range=config.init_std, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(hf), "hf"
 
 
@@ -109,7 +109,7 @@ def _fla(model_class: str, config_class: str, fields: Callable[[HybridConfig], d
         allow_fla_gated_backward()  # the peer trains: its gated backward must run
         common = dict(vocab_size=config.vocab_size, hidden_size=config.d_model, num_hidden_layers=config.n_layers,
                       intermediate_size=config.mlp_width, norm_eps=config.norm_eps,
-                      tie_word_embeddings=config.tie_embeddings)
+                      tie_word_embeddings=config.tie_embeddings, initializer_range=config.init_std)
         return getattr(models, model_class)(getattr(models, config_class)(**common, **fields(config))), "hf"
 
     return build
@@ -128,7 +128,7 @@ def _mamba_ssm(layer: str):
         mc = MambaConfig(d_model=config.d_model, n_layer=config.n_layers, d_intermediate=0,
                          vocab_size=config.vocab_size, ssm_cfg=ssm, rms_norm=True, fused_add_norm=True,
                          residual_in_fp32=True, tie_embeddings=config.tie_embeddings, pad_vocab_size_multiple=8)
-        return mixer.MambaLMHeadModel(mc), "logits"
+        return mixer.MambaLMHeadModel(mc, initializer_cfg={"initializer_range": config.init_std}), "logits"
 
     return build
 
@@ -149,7 +149,7 @@ def _qwen35(config: HybridConfig) -> tuple[nn.Module, str]:
         num_hidden_layers=config.n_layers, num_attention_heads=attn.n_heads, num_key_value_heads=attn.n_kv_heads,
         head_dim=attn.head_dim, linear_num_key_heads=gdn.num_k_heads, linear_num_value_heads=gdn.num_v_heads,
         linear_key_head_dim=gdn.head_k_dim, linear_value_head_dim=gdn.head_v_dim, linear_conv_kernel_dim=gdn.conv_size,
-        rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
+        rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings, initializer_range=config.init_std,
         layer_types=["full_attention" if kind == "attn" else "linear_attention" for kind in config.layer_kinds()],
         rope_parameters={"rope_type": "default", "rope_theta": attn.rope_base,
                          "partial_rotary_factor": attn.partial_rotary_factor})

@@ -36,6 +36,27 @@ def test_each_peer_has_our_parameter_count(name):
             assert kind in ("hf", "logits")
 
 
+@pytest.mark.parametrize("name", list(models.PAIRS))
+def test_each_peer_starts_from_our_init_std(name):
+    """The peer draws its weights with our ``init_std`` (transformers' and fla's
+    ``initializer_range``, mamba_ssm's ``initializer_cfg``): the token embedding's std matches.
+    (fla's GLA-340M config, which ``gla-340m`` follows, uses 0.006; fla's default is 0.02.)"""
+    import dataclasses
+
+    pair = models.PAIRS[name]
+    config = dataclasses.replace(pair.ours(True), init_std=0.011)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            peer, _ = pair.peer(config)
+        except models.PeerMissing as error:
+            pytest.skip(str(error))
+    embedding = peer.get_input_embeddings() if hasattr(peer, "get_input_embeddings") else peer.backbone.embedding
+    assert float(embedding.weight.std()) == pytest.approx(0.011, rel=0.05), name
+    assert float(HybridLM(config).embed.weight.std()) == pytest.approx(0.011, rel=0.05)
+
+
 def test_run_pair_interleaves_and_reports_median_min_max(tmp_path):
     args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=3, warmup=0, steps=1)
     lines = []
