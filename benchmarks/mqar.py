@@ -35,7 +35,10 @@ learning rate's median accuracy over the seeds (the best accuracy of each run).
 
 These models are tiny and launch-bound: ``--workers`` processes share the GPUs (job ``i`` runs on
 GPU ``i % device_count``). Each finished run is written to ``<out-dir>/<name>-runs/<run>.json``
-at once, and runs already there are skipped, so an interrupted sweep resumes. Keep Triton's
+at once, and runs already there are skipped, so an interrupted sweep resumes. A run cut by
+``--run-seconds`` leaves ``<run>.resume.pt`` (weights, optimizer, schedule, data order, RNG) and
+the next invocation with the same settings continues it exactly where it stopped, so Zoology's
+step caps fit in sittings of a few minutes. Keep Triton's
 cache (``TRITON_CACHE_DIR``) between invocations: fla's autotuning alone takes minutes. Outputs:
 ``<name>.json`` (settings, metadata, every run with its per-step curve), ``<name>.md`` (the table)
 and ``<name>.png`` (median accuracy against state size, per mixer, hybridzoo solid and reference
@@ -320,7 +323,23 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
     order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
     batch, curve, best, since_best = spec["batch_size"], [], -1.0, 0
-    start, step, position = time.perf_counter(), 0, 0
+    start, step, position, earlier_seconds = time.perf_counter(), 0, 0, 0.0
+    checkpoint = Path(job["path"]).with_suffix(".resume.pt") if job.get("path") else None
+    if checkpoint is not None and checkpoint.is_file():  # a run cut by --run-seconds goes on where it stopped
+        saved = torch.load(checkpoint, map_location=device, weights_only=False)
+        if saved["schedule"] != _schedule(spec):
+            raise ValueError(f"mqar: {checkpoint} was cut from a run with {saved['schedule']}, not "
+                             f"{_schedule(spec)}; delete it to start the run again")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        order, position, step, curve = saved["order"], saved["position"], saved["step"], saved["curve"]
+        best, since_best, earlier_seconds = saved["best"], saved["since_best"], saved["seconds"]
+        row["first_loss"] = saved["first_loss"]
+        torch.set_rng_state(saved["rng"])
+        if cuda and saved.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"])
+        row["resumed_at"] = step
     while step < spec["max_steps"]:
         if position + batch > order.numel():  # a new epoch: a new order
             order, position = order[torch.randperm(order.numel())], 0
@@ -347,13 +366,36 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
             best, since_best = (accuracy, 0) if accuracy > best else (best, since_best + 1)
             if best >= 0.999 or since_best >= spec["patience"]:
                 break
-            if spec.get("run_seconds") and time.perf_counter() - start > spec["run_seconds"]:
+            if out_of_time(spec, start):
                 row["stopped"] = f"time limit {spec['run_seconds']} s"
+                if checkpoint is not None:  # the next invocation resumes from here
+                    torch.save(dict(schedule=_schedule(spec), model=model.state_dict(),
+                                    optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                                    order=order, position=position, step=step, curve=curve, best=best,
+                                    since_best=since_best, first_loss=row.get("first_loss"),
+                                    seconds=earlier_seconds + time.perf_counter() - start,
+                                    rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None),
+                               checkpoint)
+                    row["resume_from"] = str(checkpoint)
                 break
+    if checkpoint is not None and not row.get("stopped") and checkpoint.is_file():
+        checkpoint.unlink()  # finished: nothing to resume
     row.update(status="ok", steps=step, accuracy=max(p["accuracy"] for p in curve),
                final_accuracy=curve[-1]["accuracy"], val_loss=curve[-1]["val_loss"],
-               seconds=round(time.perf_counter() - start, 1), curve=curve)
+               seconds=round(earlier_seconds + time.perf_counter() - start, 1), curve=curve)
     return row
+
+
+def _schedule(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed run must share with the run it continues."""
+    return {k: spec.get(k) for k in ("seq_len", "num_pairs", "vocab_size", "batch_size", "num_train",
+                                     "max_steps", "warmup_steps", "eval_every", "patience", "overrides")}
+
+
+def out_of_time(spec: dict[str, Any], start: float) -> bool:
+    """Whether a run that started at ``start`` (``time.perf_counter``) is past ``--run-seconds``
+    (checked at each evaluation; tests replace it)."""
+    return bool(spec.get("run_seconds")) and time.perf_counter() - start > spec["run_seconds"]
 
 
 def _run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -390,8 +432,8 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                                   if k.split(".", 1)[0] == kind and impl == "hybridzoo")
                     run_id = f"{args.setting}-{recipe}{tag}-{impl}-lr{lr:g}-s{seed}"
                     path = runs_dir / f"{run_id}.json"
-                    if path.is_file():
-                        continue
+                    if path.is_file() and not path.with_suffix(".resume.pt").is_file():
+                        continue  # done (a run cut by --run-seconds left a checkpoint and is resumed)
                     dev = f"cuda:{len(jobs) % gpus}" if device.startswith("cuda") else device
                     jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, variant=tag, kind=kind, size=size,
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
@@ -568,7 +610,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a mixer setting for the hybridzoo model, e.g. gdn.decay_init=multiscale "
                              "(YAML value; in the run's name and row)")
     parser.add_argument("--run-seconds", dest="run_seconds", type=float, default=None,
-                        help="stop a run at its first evaluation past this many seconds (row marked 'stopped')")
+                        help="stop a run at its first evaluation past this many seconds (row marked 'stopped'); "
+                             "it leaves <run>.resume.pt, and the next invocation with the same settings goes on "
+                             "from there")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--workers", type=int, default=1, help="processes side by side (spread over the GPUs)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")

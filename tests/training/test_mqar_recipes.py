@@ -246,3 +246,36 @@ def test_initial_decays_script_reads_each_heads_decay_from_the_model():
         assert [round(1 / (1 - a)) for a in heads] == [16, 1024]
     drawn = script.initial_decays("mqar-gdn-l", 0)
     assert drawn != layers and all(0 < a < 1 for heads in drawn for a in heads)
+
+
+def test_a_run_cut_by_the_time_limit_resumes_exactly_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """Cut at its first evaluation (step 6 of 12), a run leaves a checkpoint; the next invocation
+    finishes it, and its curve equals that of the same run never cut (same weights, optimizer,
+    schedule, data order). A checkpoint from other settings is refused by name."""
+    argv = ["--setting", "cpu-smoke", "--kinds", "attn", "--sizes", "s", "--seeds", "0", "--lrs", "3e-3",
+            "--impls", "hybridzoo", "--device", "cpu", "--name", "r"]
+    assert bench.main(argv + ["--out-dir", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "r.json").read_text())["runs"][0]
+
+    cut_dir = tmp_path / "cut"
+    monkeypatch.setattr(bench, "out_of_time", lambda spec, start: True)
+    assert bench.main(argv + ["--out-dir", str(cut_dir), "--run-seconds", "1"]) == 0
+    first = json.loads((cut_dir / "r.json").read_text())["runs"][0]
+    assert first["steps"] == 6 and first["stopped"] and any((cut_dir / "r-runs").glob("*.resume.pt"))
+    checkpoint = next((cut_dir / "r-runs").glob("*.resume.pt"))
+
+    # other settings: refused, the checkpoint kept
+    monkeypatch.setattr(bench, "out_of_time", lambda spec, start: False)
+    assert bench.main(argv + ["--out-dir", str(cut_dir), "--max-steps", "18"]) == 0
+    failed = json.loads((cut_dir / "r.json").read_text())["runs"][0]
+    assert failed["status"] == "failed" and "delete it to start the run again" in failed["error"]
+    assert checkpoint.is_file()
+
+    assert bench.main(argv + ["--out-dir", str(cut_dir)]) == 0
+    resumed = json.loads((cut_dir / "r.json").read_text())["runs"][0]
+    assert resumed["status"] == "ok" and not resumed.get("stopped") and resumed["resumed_at"] == 6
+    assert resumed["steps"] == whole["steps"] == 12 and not checkpoint.exists()
+    assert resumed["first_loss"] == whole["first_loss"]
+    for got, expected in zip(resumed["curve"], whole["curve"], strict=True):
+        assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in expected.items() if k != "seconds"}
+    capsys.readouterr()
