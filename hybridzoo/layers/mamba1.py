@@ -154,21 +154,9 @@ class Mamba1(Mixer):
                      ) -> tuple[torch.Tensor, RecurrentState]:
         """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
         taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
-        x_in, z = self.in_proj(x).chunk(2, dim=-1)                          # [B, T, d_inner]
-        u, conv_tail = self.conv1d(x_in, None if state is None else state.conv)
-        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.linear(dt, self.dt_proj.weight)                          # bias added in the scan
-        A = -torch.exp(self.A_log.to(state_dtype(self.A_log.dtype)))        # [d_inner, N]
-        if x.shape[1] == 1 and state is not None:
-            y, recurrent = selective_scan_step(
-                u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], self.D, z[:, 0],
-                delta_bias=self.dt_proj.bias, delta_softplus=True, state=state.recurrent)
-            y = y[:, None]
-        else:
-            y, recurrent = sharded(selective_scan)(
-                u, delta, A, B, C, self.D, z, delta_bias=self.dt_proj.bias, delta_softplus=True,
-                initial_state=None if state is None else state.recurrent,
-                output_final_state=True, backend=self.backend)
+        y, conv_tail, recurrent = self._body(
+            self.in_proj(x), self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
+            self.D, None if state is None else state.conv, None if state is None else state.recurrent)
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(x.dtype))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
@@ -178,10 +166,20 @@ class Mamba1(Mixer):
         """From ``in_proj``'s output ``xz [B, T, 2·d_inner]`` (the activation dtype) to the gated
         scan output ``[B, T, d_inner]`` (xz's dtype), with the new conv tail and recurrent state.
         The parameters come in as arguments (see :meth:`mix`)."""
+        def conv(x_in, tail):
+            return short_conv(x_in, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend)
+
+        return self._body(xz, conv, lambda u: F.linear(u, x_proj_weight), dt_proj_weight, dt_proj_bias, A_log,
+                          D, conv_tail, recurrent)
+
+    def _body(self, xz, conv, x_proj, dt_proj_weight, dt_proj_bias, A_log, D, conv_tail, recurrent):
+        """The mixer between ``in_proj`` and ``out_proj``, shared by :meth:`_inner` (weights as
+        tensors) and :meth:`_mix_modules` (submodules): ``conv(x_in, tail) -> (u, tail)`` and
+        ``x_proj(u)`` are the short convolution and the x projection either way. Returns the gated
+        scan output ``[B, T, d_inner]``, the conv tail and the recurrent state."""
         x_in, z = xz.chunk(2, dim=-1)                                       # [B, T, d_inner]
-        u, conv_tail = short_conv(x_in, conv_weight, conv_bias, conv_tail, self.conv1d.activation,
-                                  self.backend)
-        dt, B, C = F.linear(u, x_proj_weight).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        u, conv_tail = conv(x_in, conv_tail)
+        dt, B, C = x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = F.linear(dt, dt_proj_weight)                                # bias added in the scan
         A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))                  # [d_inner, N]
         if xz.shape[1] == 1 and recurrent is not None:

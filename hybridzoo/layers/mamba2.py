@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
-from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
+from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
 from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
 from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed, plain_modules
@@ -158,34 +158,10 @@ class Mamba2(Mixer):
                      ) -> tuple[torch.Tensor, RecurrentState]:
         """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
         taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
-        batch, length, _ = x.shape
-        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
-        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv_tail = self.conv1d(xBC, None if state is None else state.conv)
-        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
-        xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
-        B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
-
-        compute = state_dtype(x.dtype)                                       # float32 (float64)
-        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute))          # [B, T, H]
-        if tuple(self.config.time_step_limit) != (0.0, float("inf")):
-            dt = dt.clamp(*self.config.time_step_limit)
-        log_a = dt * -torch.exp(self.A_log.to(compute))                     # Δ A <= 0
-        # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
-        # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
-        v = (xs.to(compute) * dt[..., None]).to(activation_dtype(x))       # Δ x: [B, T, H, P]
-        if length == 1 and state is not None:
-            y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0],
-                                            state.recurrent, scale=1.0)
-            y = y[:, None]
-        else:
-            y, recurrent = sharded(chunk_linear_attn)(
-                C, B, v, log_a, scale=1.0, initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
-        y = y + self.D.to(compute)[:, None] * xs.to(compute)                # [B, T, H, P]
-        y = self.norm(y.reshape(batch, length, self.d_inner), z)
-        offset = length + (0 if state is None else state.offset)
-        out = self.out_proj(y.to(x.dtype))
+        out, conv_tail, recurrent = self._body(
+            self.in_proj(x), self.conv1d, self.norm, lambda y: self.out_proj(y.to(x.dtype)), self.dt_bias,
+            self.A_log, self.D, None if state is None else state.conv, None if state is None else state.recurrent)
+        offset = x.shape[1] + (0 if state is None else state.offset)
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight,
@@ -194,11 +170,28 @@ class Mamba2(Mixer):
         to the mixer's output ``[B, T, d_model]`` (the same dtype), with the new conv tail and
         recurrent state. The parameters come in as arguments (see :meth:`mix`); ``keep`` (see
         :class:`~hybridzoo.layers.recompute.Kept`) keeps the scan's output for the backward."""
+        def conv(xBC, tail):
+            return short_conv(xBC, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend)
+
+        def norm(y, z):
+            return gated_rms_norm(y, z, norm_weight, self.norm.eps, self.norm.group_size, self.norm.norm_before_gate)
+
+        def out(y):  # out_proj on the activation dtype (autocast's casts, made explicit for the kept path)
+            dtype = zxbcdt.dtype
+            linear = (y.to(dtype), out_weight.to(dtype), None if out_bias is None else out_bias.to(dtype))
+            return kept_op(keep, lambda *a: (F.linear(*a),), linear_grads, linear, keep_values=False)[0]
+
+        return self._body(zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep)
+
+    def _body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep: Kept | None = None):
+        """The mixer after ``in_proj``, shared by :meth:`_inner` (weights as tensors) and
+        :meth:`_mix_modules` (submodules): ``conv(xBC, tail) -> (xBC, tail)``, ``norm(y, z)`` (the
+        gated RMSNorm) and ``out(y)`` (``out_proj``) are called either way. Returns the output
+        ``[B, T, d_model]``, the conv tail and the recurrent state."""
         batch, length, _ = zxbcdt.shape
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv_tail = short_conv(xBC, conv_weight, conv_bias, conv_tail, self.conv1d.activation,
-                                    self.backend)
+        xBC, conv_tail = conv(xBC, conv_tail)
         xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
         xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
         B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
@@ -218,13 +211,8 @@ class Mamba2(Mixer):
             y, recurrent = kept_op(keep, self._scan, self._scan_grads, (C, B, v, log_a, recurrent),
                                    keep_values=(True, False))   # the final state is only returned
         y = y + D.to(compute)[:, None] * xs.to(compute)                     # [B, T, H, P]
-        y = gated_rms_norm(y.reshape(batch, length, self.d_inner), z, norm_weight, self.norm.eps,
-                           self.norm.group_size, self.norm.norm_before_gate)
-        # out_proj on the activation dtype (autocast's casts, made explicit for the kept path)
-        linear = (y.to(zxbcdt.dtype), out_weight.to(zxbcdt.dtype),
-                  None if out_bias is None else out_bias.to(zxbcdt.dtype))
-        out, = kept_op(keep, lambda *a: (F.linear(*a),), linear_grads, linear, keep_values=False)
-        return out, conv_tail, recurrent
+        y = norm(y.reshape(batch, length, self.d_inner), z)
+        return out(y), conv_tail, recurrent
 
     def _scan(self, C, B, v, log_a, initial_state):
         """SSD: ``(y [B, T, H, P] in v.dtype, final state [B, H, N, P])``."""
