@@ -311,7 +311,7 @@ class Attention(Mixer):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         offset = sequence_start(T) if state is None else state.offset
-        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        q, k = self.rotary.pair(q, k, offset=offset)  # one cos / sin table for both
 
         if isinstance(state, BlockKVState):
             o, state = self._attend_store(q, k, v, state)

@@ -91,4 +91,4 @@ class RetNet(LinearAttentionMixer):
     def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary over all K channels, positions ``offset, offset + 1, ...``."""
-        return self.rotary(q, offset), self.rotary(k, offset)
+        return self.rotary.pair(q, k, offset=offset)  # one cos / sin table for both

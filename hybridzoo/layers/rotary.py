@@ -13,12 +13,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-# cos / sin tables of the last few (positions, device, dtype) asked for: see Rotary._tables
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_TABLES_KEPT = 16
-_TABLE_MAX = 1 << 22  # positions x rotary_dim of the longest kept (16 MiB of float32 tables)
-
-
 class _RotaryFunction(torch.autograd.Function):
     """The rotation of :meth:`Rotary.forward` as one fused Triton pass
     (:mod:`hybridzoo.kernels.triton.rotary`); its backward is the rotation by the opposite angles.
@@ -84,36 +78,27 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def _tables(self, offset: int, length: int, x: torch.Tensor, fused_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions ``offset .. offset + length - 1``: ``[T, rotary_dim / 2]`` for the
-        fused pass, ``[T, rotary_dim]`` for the plain body (float32, float64 kept). Computed once
-        per (positions, device, dtype) and shared by every Rotary of the same ``rotary_dim`` and
-        base: q and k, and all layers of a model, rotate by the same angles in one step (before:
-        five ops and two tensors per call, twice per layer). A table made under inference mode
-        is kept apart (autograd cannot save it for a backward), and tables over ``_TABLE_MAX``
-        are not kept (a million-token sequence's would hold 256 MiB between steps)."""
-        key = (self.rotary_dim, self.base, str(x.device), offset, length, torch.promote_types(x.dtype, torch.float32),
-               fused_pass, torch.is_inference_mode_enabled())
-        tables = _TABLES.pop(key, None)
-        if tables is None:
-            positions = torch.arange(offset, offset + length, device=x.device)
-            if fused_pass:
-                freqs = self.angles(positions, x.dtype)
-                tables = freqs.cos(), freqs.sin()
-            else:
-                tables = self.cos_sin(positions, x.dtype)
-            if length * self.rotary_dim > _TABLE_MAX:  # a long sequence's tables are not kept
-                return tables
-            while len(_TABLES) >= _TABLES_KEPT:
-                _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = tables  # most recently used last
-        return tables
-
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        if fused.applies(x) and x.dim() == 4:  # one Triton pass each way (float32 on chip)
-            return _RotaryFunction.apply(x, *self._tables(offset, x.shape[1], x, True))
-        cos, sin = self._tables(offset, x.shape[1], x, False)
+        return self.pair(x, offset=offset)[0]
+
+    def pair(self, *xs: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, ...]:
+        """Rotate each of ``xs`` (e.g. q and k, ``[B, T, H_i, head_dim]``, one T and dtype) at
+        positions ``offset ..``, with the cos / sin tables computed once for all of them."""
+        x = xs[0]
+        if any(t.shape[1] != x.shape[1] or t.dtype != x.dtype or t.device != x.device for t in xs):
+            raise ValueError("Rotary.pair: the tensors must share T, dtype and device, got "
+                             f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in xs]}")
+        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        if fused.applies(*xs) and all(t.dim() == 4 for t in xs):  # one Triton pass each way (float32 on chip)
+            freqs = self.angles(positions, x.dtype)
+            cos, sin = freqs.cos(), freqs.sin()
+            return tuple(_RotaryFunction.apply(t, cos, sin) for t in xs)
+        cos, sin = self.cos_sin(positions, x.dtype)
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        return tuple(self._rotate(t, cos, sin) for t in xs)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The plain body: ``x [..., T, H, head_dim]`` with ``cos, sin [1, T, 1, rotary_dim]``."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         rot_f = rot.to(cos.dtype)
         rot = (rot_f * cos + rotate_half(rot_f) * sin).to(x.dtype)

@@ -81,3 +81,18 @@ def test_pass_on_gpu_model_shapes(poisoned):
     for heads, dim, rotary_dim in ((16, 64, 64), (4, 256, 256), (8, 256, 64)):
         test_pass_and_its_inverse_equal_the_float64_formula(heads, dim, rotary_dim, torch.bfloat16, 8e-3, None,
                                                             device="cuda")
+
+
+@pytest.mark.parametrize("fused_path", [True, False], ids=["fused", "plain"])
+def test_pair_rotates_q_and_k_of_different_head_counts_as_the_formula(monkeypatch, fused_path):
+    """``Rotary.pair(q, k)`` (attention and RetNet: one cos / sin table for both) rotates each as
+    the float64 formula does, on the fused pass (both tensors through it) and the plain body."""
+    calls = force_and_count(monkeypatch, rotary) if fused_path else {}
+    module = Rotary(16, 8)
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 9, 4, 16), torch.randn(2, 9, 1, 16)
+    qr, kr = module.pair(q, k, offset=5)
+    assert calls == ({"rotary_fwd": 2} if fused_path else {})
+    assert rel_err(qr, _formula(q.double(), 8, 5)) <= 1e-6 and rel_err(kr, _formula(k.double(), 8, 5)) <= 1e-6
+    with pytest.raises(ValueError, match="share T, dtype and device"):
+        module.pair(q, k[:, :8], offset=5)
