@@ -170,3 +170,21 @@ def test_resolving_an_op_reads_no_package_metadata_per_call(monkeypatch):
         assert len(calls) <= 1, calls
     finally:
         forget()
+
+
+def test_host_ops_script_counts_one_layers_ops_and_launches():
+    """``scripts/host_ops.py`` (the host-side work of a training step, per layer): a Gated DeltaNet
+    layer adds aten ops and Triton launches (the delta rule's and the fused passes'), counted
+    through the GPU's code path on the CPU with the kernels skipped."""
+    import re
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "host_ops.py"
+    result = subprocess.run([sys.executable, str(script), "mqar-gdn-s", "--tokens", "32", "--top", "3"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = re.search(r"step at 1 layer (\d+) aten ops, (\d+) Triton launches; each added layer (\d+) aten ops, "
+                      r"(\d+) Triton launches", result.stdout)
+    assert found, result.stdout
+    step_ops, step_launches, layer_ops, layer_launches = map(int, found.groups())
+    assert 0 < layer_ops < step_ops and 0 < layer_launches < step_launches
