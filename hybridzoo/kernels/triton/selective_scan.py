@@ -58,10 +58,11 @@ def _config(training: bool) -> dict:
 
 
 # Autotuned channel blocks and warps (the time block is fixed by _config: the backward restarts
-# from the forward's per-block states): the fastest few of the probe at both measured shapes. All
-# compile for sm_90 without register spills at N = 16 except the backward's 32-channel / 8-warp
-# tile (236 B per thread), kept as a candidate since it was among the fastest at the large shape;
-# scripts/kernel_resources.py, checked by a CPU test.
+# from the forward's per-block states): the fastest few of the probe at both measured shapes. The
+# forward candidates compile for sm_90 without register spills at N = 16; the backward candidates
+# spill 180 to 540 B per thread with Triton 3.6 (0 to 48 B with 3.7.1 and 3.9) and were the fastest
+# measured all the same (scripts/kernel_resources.py --spills and its SPILL_ALLOWED, checked by a
+# CPU test).
 FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 2), (8, 4), (16, 8), (16, 4))]
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 1), (8, 2), (16, 4), (32, 8))]
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
