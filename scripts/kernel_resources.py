@@ -285,8 +285,7 @@ def fused_layer_settings():
     types = {n: "i32" if n in {"T", "H", "D", "HALF"} else "*fp32" if n in {"cos_ptr", "sin_ptr"} else "*bf16"
              for n in rotary._kernel.arg_names if n not in {"SIGN", "BLOCK_H", "BLOCK_R", "BLOCK_REST"}}
     for heads, dim, rotated in ((4, 256, 256), (16, 64, 64), (8, 256, 64)):  # retnet, attention, qwen35
-        block_h = max(1, min(triton.next_power_of_2(heads), rotary.TILE // triton.next_power_of_2(dim)))
-        warps = 4 if block_h * triton.next_power_of_2(dim) >= 1024 else 2
+        block_h, warps = rotary.gpu_settings(heads, dim)
         rest = triton.next_power_of_2(dim - rotated) if dim > rotated else 0
         consts = dict(SIGN=1.0, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(rotated // 2), BLOCK_REST=rest)
         yield f"rotary _kernel H{heads} D{dim} R{rotated} warps={warps}", rotary._kernel, types, consts, warps, 3

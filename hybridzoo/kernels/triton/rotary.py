@@ -49,6 +49,13 @@ def _kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, D, HALF, SIGN: tl.constexpr, B
         tl.store(y_ptr + base + j[None, :], tl.load(x_ptr + base + j[None, :], mask=rmask, other=0.0), mask=rmask)
 
 
+def gpu_settings(heads: int, dim: int) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of a GPU launch over ``heads`` heads of ``dim`` channels: about
+    :data:`TILE` elements per program."""
+    block_h = max(1, min(triton.next_power_of_2(heads), TILE // triton.next_power_of_2(dim)))
+    return block_h, 4 if block_h * triton.next_power_of_2(dim) >= 1024 else 2
+
+
 def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [B, T, H, D]`` rotated by the tables ``cos, sin [T, R / 2]`` (float32) on its first
     ``R`` channels per head (rotate-half); ``inverse=True`` rotates by the opposite angles (the
@@ -68,11 +75,7 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     y = launch.empty(x.shape, x.dtype, x.device)
     block_r = triton.next_power_of_2(half)
     block_rest = triton.next_power_of_2(dim - 2 * half) if dim > 2 * half else 0
-    if launch.interpret():
-        block_h, warps = 2, 1
-    else:
-        block_h = max(1, min(triton.next_power_of_2(heads), TILE // triton.next_power_of_2(dim)))
-        warps = 4 if block_h * triton.next_power_of_2(dim) >= 1024 else 2
+    block_h, warps = (2, 1) if launch.interpret() else gpu_settings(heads, dim)
     rows = batch * length
     if rows and heads:
         _kernel[(rows, triton.cdiv(heads, block_h))](x, cos, sin, y, length, heads, dim, half,
