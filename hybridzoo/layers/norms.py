@@ -177,7 +177,7 @@ class _L2NormFunction(torch.autograd.Function):
         from hybridzoo.kernels.triton import norm
 
         x, weight, rstd = ctx.saved_tensors
-        dx, _ = norm.grouped_rms_norm_bwd(grad.flatten(0, -2), x.flatten(0, -2), weight, rstd, ctx.group_size)
+        dx = norm.grouped_rms_norm_bwd(grad.flatten(0, -2), x.flatten(0, -2), weight, rstd, ctx.group_size)
         return dx.view(x.shape), None, None
 
 

@@ -181,7 +181,9 @@ def _fwd(x, z, weight, eps, group, norm_before_gate, zero_centered):
     return y, rstd
 
 
-def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered):
+def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weight_grad=True):
+    """``(dx, dz, dweight)``; ``dweight`` None without ``weight_grad`` (the per-program partial
+    sums the kernel writes are then not reduced)."""
     x, z = _inputs(x, z, weight, group)
     grad = _rows(grad, "grad", weight.shape[0])
     (N, D), (block_n, block_g, warps) = x.shape, _settings(group)
@@ -191,7 +193,7 @@ def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered):
     dx = launch.empty((N, D), x.dtype, x.device)
     dz = None if z is None else launch.empty((N, D), z.dtype, x.device)
     if not N:
-        return dx, dz, torch.zeros_like(weight)
+        return dx, dz, torch.zeros_like(weight) if weight_grad else None
     blocks = triton.cdiv(N, block_n)
     wanted = (INTERPRETER["programs"] if launch.interpret()
               else triton.cdiv(PROGRAMS_PER_SM * _sm_count(x.device), D // group))  # programs per group
@@ -204,7 +206,7 @@ def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered):
         G=group, HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate),
         ZERO_CENTERED=bool(zero_centered), BLOCK_N=block_n, BLOCK_G=block_g,
         STEPS_INTERP=launch.loop_count(steps), num_warps=warps)
-    return dx, dz, dw.sum(0).to(weight.dtype)
+    return dx, dz, dw.sum(0).to(weight.dtype) if weight_grad else None
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -232,10 +234,10 @@ def grouped_rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def grouped_rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                         group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of :func:`grouped_rms_norm_fwd`: ``(grad_x in x.dtype, grad_weight [D])``."""
-    dx, _, dw = _bwd(grad, x, None, weight, rstd, group_size, True, False)
-    return dx, dw
+                         group_size: int) -> torch.Tensor:
+    """The backward of :func:`grouped_rms_norm_fwd` to ``x`` only: ``grad_x [N, D]`` in x.dtype (its
+    caller, the l2 normalisation, has a constant weight: no weight gradient is reduced)."""
+    return _bwd(grad, x, None, weight, rstd, group_size, True, False, weight_grad=False)[0]
 
 
 def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
