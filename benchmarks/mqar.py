@@ -17,12 +17,12 @@ attn     transformers ``LlamaAttention`` (SDPA, a window mask for sliding window
 ======== =================================================================
 
 Embedding, norms, MLPs and head are hybridzoo's in both models, built from the same seed; each
-reference layer is built where the block builds its mixer and keeps the initialisation its
-constructor gives it (Llama's projections get transformers' ``normal(0, 0.02)``, which
-``LlamaPreTrainedModel`` would apply). hybridzoo's GatedDeltaNet, Attention, Mamba1 and Mamba2 draw
-torch's RNG as those layers do, so under one seed both models start from the same weights (a
-paired comparison); hybridzoo's GLA and RetNet use fla's model init (``normal(0, 0.02)``) where
-fla's bare layers keep PyTorch's default. Zoology's protocol: every learning rate of ``--lrs`` (default 1e-3, 3e-3, 1e-2) and
+reference layer is built where the block builds its mixer, with the initialisation its own model
+class gives it: its constructor's, then for Llama transformers' ``normal(0, 0.02)`` of the
+projections (``LlamaPreTrainedModel``) and for fla's GLA and RetNet fla's ``normal(0,
+initializer_range)`` of linear and conv weights with zero biases (``FLAPreTrainedModel``).
+hybridzoo's layers draw torch's RNG as those do, so under one seed both models start from the
+same weights (a paired comparison; tested for every kind that runs on a CPU). Zoology's protocol: every learning rate of ``--lrs`` (default 1e-3, 3e-3, 1e-2) and
 every seed of ``--seeds`` (at least 3); a run stops at ``--max-steps`` or when the held-out
 accuracy has not risen for ``--patience`` evaluations (or reached 0.999). A row reports the best
 learning rate's median accuracy over the seeds (the best accuracy of each run).
@@ -176,6 +176,11 @@ class ReferenceMixer:
                                              gate_low_rank_dim=c.gate_low_rank_dim, clamp_min=c.clamp_min, **common)
             else:
                 layer = MultiScaleRetention(**common)
+            for module in layer.modules():  # fla's model init (FLAPreTrainedModel._init_weights)
+                if isinstance(module, (nn.Linear, nn.Conv1d)):
+                    nn.init.normal_(module.weight, mean=0.0, std=c.initializer_range)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
             call = lambda m, x: m(x)[0]  # noqa: E731
         elif kind == "mamba1":
             from mamba_ssm import Mamba
@@ -254,8 +259,8 @@ def build_model(recipe: str, impl: str, spec: dict[str, Any], seed: int):
     if impl != "reference":
         return HybridLM(config), config
     # the reference layer is built where the block builds its mixer, so torch's RNG stream is
-    # drawn at the same place: the layers that draw as their reference does (gdn, attn, mamba1,
-    # mamba2) then start from the same weights as the hybridzoo model of that seed
+    # drawn at the same place: every hybridzoo mixer draws as its reference layer does, so both
+    # models of a seed start from the same weights
     from hybridzoo.layers import MIXERS
 
     saved = MIXERS[kind]

@@ -148,6 +148,23 @@ def test_benchmark_llama_reference_starts_equal_and_computes_the_same(recipe):
     assert (got - expected).abs().max() < 1e-5 * expected.abs().max()
 
 
+@pytest.mark.parametrize("recipe", ["mqar-gla-s", "mqar-gla-l", "mqar-retnet-s", "mqar-retnet-l"])
+def test_benchmark_fla_reference_starts_from_hybridzoo_weights(recipe):
+    """fla's GLA and RetNet layers get fla's model init in the reference model (normal(0,
+    initializer_range) for linear and conv weights, zero biases), drawn where hybridzoo's layer
+    draws its own: under one seed both models hold the same weights (short convs as [C, 1, W]
+    beside hybridzoo's [C, W])."""
+    pytest.importorskip("fla.layers")
+    spec = bench.SETTINGS["cpu-smoke"]
+    for seed in (0, 1):
+        ours = bench.build_model(recipe, "hybridzoo", spec, seed=seed)[0].state_dict()
+        ref = bench.build_model(recipe, "reference", spec, seed=seed)[0].state_dict()
+        theirs = {name.replace("mixer.layer.", "mixer."): value for name, value in ref.items()}
+        assert theirs.keys() == ours.keys()
+        for name, value in ours.items():
+            assert torch.equal(value, theirs[name].reshape(value.shape)), (seed, name)
+
+
 def fake_results() -> dict:
     rows = []
     for i, kind in enumerate(KINDS):
