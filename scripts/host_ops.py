@@ -13,6 +13,14 @@ aten ops dispatched. One layer's share is the difference between the model at 1 
 Prints, per recipe: aten ops and Triton launches of the whole step at 1 layer and per added
 layer, the host time of the step with kernels skipped (CPU; a relative figure), and with
 ``--top`` the most frequent ops of one layer. Views are counted (they cost dispatch time too).
+
+``--peer`` counts the model table's peer of a pair of ``python -m benchmarks models`` (fla's
+GLA, RetNet and Gated DeltaNet models: their Triton kernels skipped the same way, autotuning
+answered without timing) beside hybridzoo's model of that pair. Both sides then run with bf16
+weights and no autocast (fla's fused layers do not run under CPU autocast), and the loss is a
+log-sum-exp of the logits (fla's fused cross-entropy needs a GPU)::
+
+    python scripts/host_ops.py retnet-340m gated-deltanet-340m --peer
 """
 
 from __future__ import annotations
@@ -28,13 +36,49 @@ os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: kernels go th
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def count_step(recipe: str, n_layers: int, tokens: int) -> dict:
+def _model(recipe: str, n_layers: int, side: str, tiny: bool = False):
+    """``(step, vocab_size)``: ``step(ids)`` runs one forward and backward of the recipe's
+    ``HybridLM`` (``side`` "ours", bf16 autocast) or, with ``side`` "peer" or "ours-bf16", of the
+    model table's pair of that name on one side (bf16 weights, no autocast)."""
+    import dataclasses
+
+    import torch
+
+    from hybridzoo import HybridLM
+
+    if side == "ours":
+        model = HybridLM.from_recipe(recipe, backend="triton", n_layers=n_layers)
+
+        def step(ids):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids)[2]
+            loss.backward()
+
+        return step, model.config.vocab_size
+    from benchmarks.models import PAIRS
+
+    if recipe not in PAIRS:
+        raise SystemExit(f"host_ops: --peer takes a pair of the model table ({', '.join(PAIRS)}), got {recipe!r}")
+    config = dataclasses.replace(PAIRS[recipe].ours(tiny), n_layers=n_layers, backend="triton")
+    if side == "peer":
+        model = PAIRS[recipe].peer(config)[0].to(torch.bfloat16)
+        logits = lambda ids: model(input_ids=ids).logits  # noqa: E731
+    else:
+        model = HybridLM(config).to(torch.bfloat16)
+        logits = lambda ids: model(ids)[0]  # noqa: E731
+
+    def step(ids):
+        logits(ids).float().logsumexp(-1).mean().backward()
+
+    return step, config.vocab_size
+
+
+def count_step(recipe: str, n_layers: int, tokens: int, side: str = "ours", tiny: bool = False) -> dict:
     """aten op counts, Triton launch counts and the host seconds of one training step."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime import interpreter
+    from triton.runtime import autotuner, interpreter
 
-    from hybridzoo import HybridLM
     from hybridzoo.kernels import fused
 
     launches: collections.Counter = collections.Counter()
@@ -51,29 +95,25 @@ def count_step(recipe: str, n_layers: int, tokens: int) -> dict:
             self.counts[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    real_launch, real_force = interpreter.GridExecutor.__call__, fused.FORCE
+    real_launch, real_force, real_bench = interpreter.GridExecutor.__call__, fused.FORCE, autotuner.Autotuner._bench
     interpreter.GridExecutor.__call__, fused.FORCE = skipped_launch, True
+    autotuner.Autotuner._bench = lambda self, *args, config=None, **kwargs: [1.0, 1.0, 1.0]  # fla's autotuners
     try:
         torch.manual_seed(0)
-        model = HybridLM.from_recipe(recipe, backend="triton", n_layers=n_layers)
-        ids = torch.randint(0, model.config.vocab_size, (1, tokens))
-
-        def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids)[2]
-            loss.backward()
-
-        step()  # first call: imports, caches
+        step, vocab_size = _model(recipe, n_layers, side, tiny)
+        ids = torch.randint(0, vocab_size, (1, tokens))
+        step(ids)  # first call: imports, caches
         launches.clear()
         with Ops() as ops:
-            step()
+            step(ids)
         counted = dict(launches)
         start = time.perf_counter()
         for _ in range(3):
-            step()
+            step(ids)
         seconds = (time.perf_counter() - start) / 3
     finally:
         interpreter.GridExecutor.__call__, fused.FORCE = real_launch, real_force
+        autotuner.Autotuner._bench = real_bench
     return {"aten": dict(ops.counts), "launches": counted, "seconds": seconds}
 
 
@@ -82,12 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the one sequence (64)")
     parser.add_argument("--top", type=int, default=0, help="also list one layer's N most frequent ops")
+    parser.add_argument("--peer", action="store_true", help="pairs of the model table: hybridzoo's model and "
+                        "its peer, both with bf16 weights and no autocast")
+    parser.add_argument("--tiny", action="store_true", help="with --peer: the pairs' tiny CPU-smoke shapes")
     args = parser.parse_args(argv)
-    for recipe in args.recipes:
-        one, two = count_step(recipe, 1, args.tokens), count_step(recipe, 2, args.tokens)
+    for recipe, side in ((r, s) for r in args.recipes for s in (("ours-bf16", "peer") if args.peer else ("ours",))):
+        one, two = (count_step(recipe, n, args.tokens, side, args.tiny) for n in (1, 2))
         layer = {op: two["aten"].get(op, 0) - one["aten"].get(op, 0) for op in two["aten"]}
         layer_launches = sum(two["launches"].values()) - sum(one["launches"].values())
-        print(f"{recipe}: step at 1 layer {sum(one['aten'].values())} aten ops, "
+        name = recipe if side == "ours" else f"{recipe} {'peer' if side == 'peer' else 'hybridzoo'}"
+        print(f"{name}: step at 1 layer {sum(one['aten'].values())} aten ops, "
               f"{sum(one['launches'].values())} Triton launches; each added layer "
               f"{sum(layer.values())} aten ops, {layer_launches} Triton launches, "
               f"{(two['seconds'] - one['seconds']) * 1e3:.1f} ms of host time (CPU, kernels skipped)", flush=True)

@@ -188,3 +188,21 @@ def test_host_ops_script_counts_one_layers_ops_and_launches():
     assert found, result.stdout
     step_ops, step_launches, layer_ops, layer_launches = map(int, found.groups())
     assert 0 < layer_ops < step_ops and 0 < layer_launches < step_launches
+
+
+def test_host_ops_script_counts_a_peer_beside_hybridzoo():
+    """``scripts/host_ops.py --peer``: fla's RetNet model of the model table's pair, counted the
+    same way beside hybridzoo's (its Triton launches skipped, its autotuning answered untimed)."""
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("fla")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "host_ops.py"
+    result = subprocess.run([sys.executable, str(script), "retnet-340m", "--peer", "--tiny", "--tokens", "32"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for side in ("hybridzoo", "peer"):
+        found = re.search(rf"retnet-340m {side}: step at 1 layer \d+ aten ops, \d+ Triton launches; each added "
+                          rf"layer (\d+) aten ops, (\d+) Triton launches", result.stdout)
+        assert found, result.stdout
+        assert all(int(n) > 0 for n in found.groups()), (side, found.groups())
