@@ -345,12 +345,17 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
         if cuda and saved.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"])
         row["resumed_at"] = step
+    # The training set and the epoch's order live on the device: a step's batch is gathered there.
+    # A copy from pageable host memory each step would wait for the GPU to finish the previous
+    # step, so the host could never run ahead of these launch-bound models.
+    train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
     while step < spec["max_steps"]:
-        if position + batch > order.numel():  # a new epoch: a new order
+        if position + batch > order.numel():  # a new epoch: a new order (drawn on the CPU, as before)
             order, position = order[torch.randperm(order.numel())], 0
-        index = order[position:position + batch]
+            order_on_device = order.to(device)
+        index = order_on_device[position:position + batch]
         position += batch
-        x, y = train_ids[index].to(device), train_labels[index].to(device)
+        x, y = train_ids[index], train_labels[index]
         with autocast():
             logits, _ = model(x)
         loss = lm_loss(logits, shift_labels(y))

@@ -296,3 +296,30 @@ def test_a_run_cut_by_the_time_limit_resumes_exactly_where_it_stopped(tmp_path, 
     for got, expected in zip(resumed["curve"], whole["curve"], strict=True):
         assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in expected.items() if k != "seconds"}
     capsys.readouterr()
+
+
+def test_a_run_trains_on_its_data_order_epoch_after_epoch(monkeypatch):
+    """The batches a run trains on (gathered where the model runs) are the seed's data order: the
+    first epoch's are the training examples at that order's positions, and each later epoch
+    draws every batch from distinct examples, none repeated within the epoch."""
+    spec = dict(bench.SETTINGS["cpu-smoke"], num_train=20, batch_size=8, max_steps=6, eval_every=6)
+    seen = []
+    build = bench.build_model
+
+    def recording(*args, **kwargs):
+        model, config = build(*args, **kwargs)
+        model.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].clone()) if module.training
+                                        else None)
+        return model, config
+
+    monkeypatch.setattr(bench, "build_model", recording)
+    bench.train_run(dict(id="t", recipe="mqar-attn-s", impl="hybridzoo", lr=3e-3, seed=4, spec=spec, device="cpu"))
+    train_ids = bench.batches_of(spec, 4)[0]
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(4))
+    assert len(seen) == 6
+    assert torch.equal(seen[0], train_ids[order[:8]]) and torch.equal(seen[1], train_ids[order[8:16]])
+    assert not torch.equal(seen[2], seen[0]) and not torch.equal(seen[4], seen[2])  # a new order each epoch
+    rows = {tuple(row.tolist()): i for i, row in enumerate(train_ids)}
+    for epoch in (seen[2:4], seen[4:6]):  # 2 batches of 8 from 20 examples per epoch
+        indices = [rows[tuple(row.tolist())] for batch in epoch for row in batch]
+        assert len(set(indices)) == 16
