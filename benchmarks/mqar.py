@@ -531,7 +531,8 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot_results(results: dict[str, Any], path: Path) -> Path:
     """Median accuracy against state size, one panel per setting, per mixer a colour, hybridzoo
-    solid and the reference dashed. Needs matplotlib."""
+    solid with filled circles and the reference dashed with open squares, drawn a little to the
+    right of the same state size so that equal results stay visible. Needs matplotlib."""
     try:
         import matplotlib
     except ImportError as error:
@@ -544,12 +545,13 @@ def plot_results(results: dict[str, Any], path: Path) -> Path:
     for ax, setting in zip(axes[0], settings):
         rows = [s for s in results.get("summary", []) if s["setting"] == setting]
         for kind in KINDS:
-            for impl, style in (("hybridzoo", "-"), ("reference", "--")):
-                points = sorted((s["state_size"], s["median_accuracy"]) for s in rows
+            for impl, style, marker, shift in (("hybridzoo", "-", "o", 1.0), ("reference", "--", "s", 1.08)):
+                points = sorted((s["state_size"] * shift, s["median_accuracy"]) for s in rows
                                 if s["kind"] == kind and s["impl"] == impl)
                 if points:
-                    ax.plot(*zip(*points), style, marker="o", color=f"C{KINDS.index(kind)}",
-                            label=f"{kind} ({impl})")
+                    colour = f"C{KINDS.index(kind)}"
+                    ax.plot(*zip(*points), style, marker=marker, color=colour, label=f"{kind} ({impl})",
+                            markerfacecolor=colour if impl == "hybridzoo" else "none")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("state size (floats per sequence per layer)")
