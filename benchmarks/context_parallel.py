@@ -2,13 +2,20 @@
 sharded over P processes, against the same step unsharded in one process.
 
     python -m benchmarks context_parallel --device cuda --ranks 2 --recipe tiny-hybrid --seq-len 8192
+    python -m benchmarks context_parallel --device cuda --ranks 2 --recipe gated-deltanet-340m \
+        --seq-len 32768 --check-grads                      # 2 GPUs: NCCL, gradients checked
     python -m benchmarks context_parallel --device cpu --ranks 2 --seq-len 64 --steps 2   # smoke
 
-On one GPU the P processes share it (gloo, messages staged through host memory, since NCCL refuses
-two ranks on one device): the ratio then measures what sharding adds (messages, corrections,
-smaller kernels) rather than a speed-up. Prints one JSON object (and writes it with ``--out``):
-median step times of both runs, their ratio, and the bytes per step that
-:func:`hybridzoo.parallel.costs.model_bytes_per_step` predicts.
+With as many GPUs as ranks, rank ``r`` runs on GPU ``r`` over NCCL. With fewer, the P processes
+share GPU 0 (gloo, messages staged through host memory, since NCCL refuses two ranks on one
+device): the ratio then measures what sharding adds (messages, corrections, smaller kernels)
+rather than a speed-up. ``--backend`` overrides the choice. ``--check-grads`` also runs one step
+of each kind on the same tokens and compares the sharded loss and parameter gradients (summed
+over the ranks) with the unsharded ones: the largest relative difference ``‖g − g₁‖ / ‖g₁‖`` over
+the parameters, and which parameter has it. Prints one JSON object (and writes it with ``--out``):
+median step times of both runs, their ratio, the bytes per step that
+:func:`hybridzoo.parallel.costs.model_bytes_per_step` predicts, the backend and GPUs, peak GPU
+memory per rank, and the check.
 """
 
 from __future__ import annotations
@@ -35,8 +42,54 @@ def _parse(argv):
     parser.add_argument("--method", default="scan", choices=["scan", "sequential"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                        help="auto: nccl with a GPU per rank, else gloo")
+    parser.add_argument("--check-grads", action="store_true", help="compare the sharded step's loss and "
+                        "gradients with the unsharded step's")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     return parser.parse_args(argv)
+
+
+def _placement(args) -> tuple[str, bool]:
+    """``(backend, one GPU per rank)`` for ``args``."""
+    import torch
+
+    own_gpus = args.device == "cuda" and torch.cuda.device_count() >= args.ranks
+    backend = args.backend if args.backend != "auto" else ("nccl" if own_gpus else "gloo")
+    if backend == "nccl" and not own_gpus:
+        raise SystemExit(f"context_parallel benchmark: --backend nccl needs a GPU per rank ({args.ranks}), "
+                         f"{torch.cuda.device_count() if args.device == 'cuda' else 0} visible")
+    return backend, own_gpus
+
+
+def _step_gradients(model, ids, autocast) -> tuple[float, dict]:
+    """One forward and backward of ``model`` on ``ids``: (loss, {parameter: gradient, in the
+    parameter's dtype})."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        _, _, loss = model(ids, labels=ids)
+    loss.backward()
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def compare_gradients(loss: float, grads: dict, ref_loss: float, ref: dict) -> dict:
+    """The sharded step (``loss``, ``grads``: summed over the ranks) against the unsharded one
+    (differences in float64)."""
+    import torch
+
+    worst, worst_name = 0.0, None
+    for name, want in ref.items():
+        got, want = grads[name].to(want.device, torch.float64), want.double()
+        rel = float((got - want).norm() / want.norm().clamp_min(1e-300))
+        if rel > worst or worst_name is None:
+            worst, worst_name = rel, name
+    return {"loss": loss, "loss_unsharded": ref_loss, "loss_relative_difference": abs(loss - ref_loss) / abs(ref_loss),
+            "max_gradient_relative_difference": worst, "worst_parameter": worst_name, "parameters": len(ref)}
 
 
 def _model(args, device):
@@ -74,15 +127,19 @@ def _autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _worker(rank, args, init_file, result_file):
+def _worker(rank, args, init_file, result_file, ref_file):
     import torch
     import torch.distributed as dist
 
     from hybridzoo.parallel.context import context_parallel, shard_sequence
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks)
-    device = torch.device(args.device)
+    backend, own_gpus = _placement(args)
+    device = torch.device("cuda", rank) if own_gpus else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.ranks)
     model = _model(args, device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len),
                         generator=torch.Generator().manual_seed(1)).to(device)
@@ -95,9 +152,30 @@ def _worker(rank, args, init_file, result_file):
     with context_parallel(method=args.method), _autocast(args, device):
         local = shard_sequence(ids)
         times = _time_steps(args, model, local, sync)
+    check = None
+    if args.check_grads:
+        with context_parallel(method=args.method):
+            loss, grads = _step_gradients(model, shard_sequence(ids), _autocast(args, device))
+        # a rank's loss and gradients are its share of the sums (gloo reduces host copies)
+        staged = "cpu" if backend == "gloo" else device
+        total = torch.tensor(loss, dtype=torch.float64, device=staged)
+        dist.all_reduce(total)
+        grads = {name: grad.to(staged) for name, grad in grads.items()}
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        if rank == 0:
+            ref_loss, ref = torch.load(ref_file, map_location="cpu")
+            check = compare_gradients(float(total), {k: v.cpu() for k, v in grads.items()}, ref_loss, ref)
+        del grads
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0,
+                        device="cpu" if backend == "gloo" else device)
+    peaks = [torch.zeros_like(peak) for _ in range(args.ranks)]
+    dist.all_gather(peaks, peak)
     if rank == 0:
         with open(result_file, "w") as f:
-            json.dump(times, f)
+            json.dump({"times": times, "check": check, "backend": backend,
+                       "devices": [f"cuda:{r}" for r in range(args.ranks)] if own_gpus else [str(device)],
+                       "peak_bytes_per_rank": [float(p) for p in peaks] if device.type == "cuda" else None}, f)
     dist.destroy_process_group()
 
 
@@ -117,20 +195,31 @@ def measure(argv=None) -> dict:
     model = _model(args, device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len),
                         generator=torch.Generator().manual_seed(1)).to(device)
+    _placement(args)  # a bad --backend fails before any work
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with _autocast(args, device):
         single = _time_steps(args, model, ids, sync)
     fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
                                     dtype=getattr(torch, args.dtype))
     layers = model.config.layer_kinds()
-    del model, ids  # the ranks share this GPU: free what the unsharded run held before they start
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
+        ref_file = os.path.join(tmp, "reference.pt")
+        if args.check_grads:
+            ref_loss, ref = _step_gradients(model, ids, _autocast(args, device))
+            torch.save((ref_loss, {k: v.cpu() for k, v in ref.items()}), ref_file)
+            del ref
+        single_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        del model, ids  # the ranks may share this GPU: free what the unsharded run held before they start
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         result_file = os.path.join(tmp, "times.json")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), result_file), nprocs=args.ranks, join=True)
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), result_file, ref_file), nprocs=args.ranks,
+                 join=True)
         with open(result_file) as f:
-            sharded = json.load(f)
+            record = json.load(f)
+    sharded = record["times"]
     from benchmarks.meta import run_metadata
 
     result = {
@@ -141,7 +230,9 @@ def measure(argv=None) -> dict:
         "ranks": args.ranks, "method": args.method, "seq_len": args.seq_len, "batch": args.batch,
         "dtype": args.dtype, "single_s": statistics.median(single), "sharded_s": statistics.median(sharded),
         "ratio": statistics.median(sharded) / statistics.median(single),
-        "bytes_forward": fwd, "bytes_backward": bwd,
+        "bytes_forward": fwd, "bytes_backward": bwd, "backend": record["backend"], "rank_devices": record["devices"],
+        "peak_bytes_unsharded": single_peak, "peak_bytes_per_rank": record["peak_bytes_per_rank"],
+        "check": record["check"],
     }
     print(json.dumps(result))
     if args.out:

@@ -1,0 +1,35 @@
+"""``python -m benchmarks context_parallel --check-grads``: the sharded step's loss and gradients,
+summed over 2 gloo ranks on the CPU, against the unsharded step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import context_parallel as bench
+
+
+def test_check_grads_finds_the_sharded_step_exact_in_float64():
+    """float64, 2 ranks: the context-parallel step equals the unsharded one (a rank's gradients
+    left unsummed, or another rank's tokens, would be off by order 1)."""
+    result = bench.measure(["--device", "cpu", "--ranks", "2", "--recipe", "tiny-hybrid", "--seq-len", "32",
+                            "--steps", "1", "--warmup", "0", "--dtype", "float64", "--check-grads"])
+    check = result["check"]
+    assert check["parameters"] == sum(1 for _ in bench._model(bench._parse(["--recipe", "tiny-hybrid"]),
+                                                              torch.device("cpu")).parameters())
+    assert check["loss_relative_difference"] < 1e-12
+    assert check["max_gradient_relative_difference"] < 1e-10
+    assert result["backend"] == "gloo" and result["ranks"] == 2 and result["sharded_s"] > 0
+
+
+def test_compare_gradients_names_the_worst_parameter():
+    ref = {"a": torch.ones(4), "b": torch.ones(4)}
+    got = {"a": torch.ones(4), "b": torch.tensor([1.0, 1.0, 1.0, 3.0])}
+    check = bench.compare_gradients(2.2, got, 2.0, ref)
+    assert check["worst_parameter"] == "b" and check["max_gradient_relative_difference"] == pytest.approx(1.0)
+    assert check["loss_relative_difference"] == pytest.approx(0.1)
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused():
+    with pytest.raises(SystemExit, match="needs a GPU per rank"):
+        bench._placement(bench._parse(["--device", "cpu", "--ranks", "2", "--backend", "nccl"]))
