@@ -4,6 +4,8 @@ sharded over P processes, against the same step unsharded in one process.
     python -m benchmarks context_parallel --device cuda --ranks 2 --recipe tiny-hybrid --seq-len 8192
     python -m benchmarks context_parallel --device cuda --ranks 2 --recipe gated-deltanet-340m \
         --seq-len 32768 --check-grads                      # 2 GPUs: NCCL, gradients checked
+    python -m benchmarks context_parallel --device cuda --ranks 2 --recipe qwen35-0.8b --seq-len 1048576 \
+        --steps 1 --warmup 0 --seco-chunk 16384 --skip-unsharded  # SeCO on each rank, 1M tokens
     python -m benchmarks context_parallel --device cpu --ranks 2 --seq-len 64 --steps 2   # smoke
 
 With as many GPUs as ranks, rank ``r`` runs on GPU ``r`` over NCCL. With fewer, the P processes
@@ -14,8 +16,9 @@ of each kind on the same tokens and compares the sharded loss and parameter grad
 over the ranks) with the unsharded ones: the largest relative difference ``‖g − g₁‖ / ‖g₁‖`` over
 the parameters, and which parameter has it. Prints one JSON object (and writes it with ``--out``):
 median step times of both runs, their ratio, the bytes per step that
-:func:`hybridzoo.parallel.costs.model_bytes_per_step` predicts, the backend and GPUs, peak GPU
-memory per rank, and the check.
+:func:`hybridzoo.parallel.costs.model_bytes_per_step` (or ``seco_bytes_per_step``) predicts and
+those the ranks sent (every ``isend`` counted), the backend and GPUs, peak GPU memory per rank,
+and the check.
 """
 
 from __future__ import annotations
@@ -46,8 +49,17 @@ def _parse(argv):
                         help="auto: nccl with a GPU per rank, else gloo")
     parser.add_argument("--check-grads", action="store_true", help="compare the sharded step's loss and "
                         "gradients with the unsharded step's")
+    parser.add_argument("--seco-chunk", type=int, default=None, help="each rank runs SeCO over its slice in "
+                        "chunks of this many tokens (hybridzoo.parallel.seco); the unsharded run too")
+    parser.add_argument("--skip-unsharded", action="store_true", help="time only the sharded step (for "
+                        "lengths one device cannot hold)")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.check_grads and args.skip_unsharded:
+        parser.error("--check-grads compares with the unsharded step: drop --skip-unsharded")
+    if args.seco_chunk is not None and args.seco_chunk < 1:
+        parser.error(f"--seco-chunk must be at least 1, got {args.seco_chunk}")
+    return args
 
 
 def _placement(args) -> tuple[str, bool]:
@@ -62,15 +74,14 @@ def _placement(args) -> tuple[str, bool]:
     return backend, own_gpus
 
 
-def _step_gradients(model, ids, autocast) -> tuple[float, dict]:
-    """One forward and backward of ``model`` on ``ids``: (loss, {parameter: gradient, in the
-    parameter's dtype})."""
+def _step_gradients(args, model, ids, autocast) -> tuple[float, dict]:
+    """One training step of ``model`` on ``ids`` (:func:`_train_step`): (loss, {parameter:
+    gradient, in the parameter's dtype})."""
     import torch
 
     model.zero_grad(set_to_none=True)
     with autocast:
-        _, _, loss = model(ids, labels=ids)
-    loss.backward()
+        loss = _train_step(args, model, ids)
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -103,13 +114,24 @@ def _model(args, device):
     return model if args.dtype == "bfloat16" else model.to(getattr(torch, args.dtype))
 
 
+def _train_step(args, model, ids):
+    """One forward and backward on ``ids`` (labels = ids): plain, or SeCO in chunks of
+    ``--seco-chunk`` tokens (inside ``context_parallel``: over this rank's slice). Returns the loss."""
+    if args.seco_chunk:
+        from hybridzoo.training.seco_engine import seco_step
+
+        return seco_step(model, {"input_ids": ids, "labels": ids}, args.seco_chunk).loss
+    _, _, loss = model(ids, labels=ids)
+    loss.backward()
+    return loss
+
+
 def _time_steps(args, model, ids, sync) -> list[float]:
     times = []
     for i in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
-        _, _, loss = model(ids, labels=ids)
-        loss.backward()
+        _train_step(args, model, ids)
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -149,13 +171,25 @@ def _worker(rank, args, init_file, result_file, ref_file):
             torch.cuda.synchronize()
         dist.barrier()
 
-    with context_parallel(method=args.method), _autocast(args, device):
-        local = shard_sequence(ids)
-        times = _time_steps(args, model, local, sync)
+    sent, isend = [0], dist.isend
+
+    def counted(tensor, *a, **k):  # every point-to-point message of context parallelism is an isend
+        sent[0] += tensor.numel() * tensor.element_size()
+        return isend(tensor, *a, **k)
+
+    dist.isend = counted
+    try:
+        with context_parallel(method=args.method), _autocast(args, device):
+            local = shard_sequence(ids)
+            times = _time_steps(args, model, local, sync)
+    finally:
+        dist.isend = isend
+    sent_total = torch.tensor([sent[0]], dtype=torch.int64, device="cpu" if backend == "gloo" else device)
+    dist.all_reduce(sent_total)
     check = None
     if args.check_grads:
         with context_parallel(method=args.method):
-            loss, grads = _step_gradients(model, shard_sequence(ids), _autocast(args, device))
+            loss, grads = _step_gradients(args, model, shard_sequence(ids), _autocast(args, device))
         # a rank's loss and gradients are its share of the sums (gloo reduces host copies)
         staged = "cpu" if backend == "gloo" else device
         total = torch.tensor(loss, dtype=torch.float64, device=staged)
@@ -174,6 +208,7 @@ def _worker(rank, args, init_file, result_file, ref_file):
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump({"times": times, "check": check, "backend": backend,
+                       "bytes_sent_per_step": int(sent_total) // (args.warmup + args.steps),
                        "devices": [f"cuda:{r}" for r in range(args.ranks)] if own_gpus else [str(device)],
                        "peak_bytes_per_rank": [float(p) for p in peaks] if device.type == "cuda" else None}, f)
     dist.destroy_process_group()
@@ -185,7 +220,7 @@ def measure(argv=None) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from hybridzoo.parallel.costs import model_bytes_per_step
+    from hybridzoo.parallel.costs import model_bytes_per_step, seco_bytes_per_step
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -199,15 +234,21 @@ def measure(argv=None) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with _autocast(args, device):
-        single = _time_steps(args, model, ids, sync)
-    fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
-                                    dtype=getattr(torch, args.dtype))
+    single = None
+    if not args.skip_unsharded:
+        with _autocast(args, device):
+            single = _time_steps(args, model, ids, sync)
+    if args.seco_chunk:
+        fwd, bwd = seco_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks,
+                                       dtype=getattr(torch, args.dtype))
+    else:
+        fwd, bwd = model_bytes_per_step(model, args.ranks, args.batch, args.seq_len // args.ranks, args.method,
+                                        dtype=getattr(torch, args.dtype))
     layers = model.config.layer_kinds()
     with tempfile.TemporaryDirectory() as tmp:
         ref_file = os.path.join(tmp, "reference.pt")
         if args.check_grads:
-            ref_loss, ref = _step_gradients(model, ids, _autocast(args, device))
+            ref_loss, ref = _step_gradients(args, model, ids, _autocast(args, device))
             torch.save((ref_loss, {k: v.cpu() for k, v in ref.items()}), ref_file)
             del ref
         single_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -228,9 +269,10 @@ def measure(argv=None) -> dict:
         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "recipe": args.recipe, "layers": layers,
         "ranks": args.ranks, "method": args.method, "seq_len": args.seq_len, "batch": args.batch,
-        "dtype": args.dtype, "single_s": statistics.median(single), "sharded_s": statistics.median(sharded),
-        "ratio": statistics.median(sharded) / statistics.median(single),
-        "bytes_forward": fwd, "bytes_backward": bwd, "backend": record["backend"], "rank_devices": record["devices"],
+        "dtype": args.dtype, "seco_chunk": args.seco_chunk,
+        "single_s": statistics.median(single) if single else None, "sharded_s": statistics.median(sharded),
+        "ratio": statistics.median(sharded) / statistics.median(single) if single else None,
+        "bytes_forward": fwd, "bytes_backward": bwd, "bytes_sent_per_step": record["bytes_sent_per_step"], "backend": record["backend"], "rank_devices": record["devices"],
         "peak_bytes_unsharded": single_peak, "peak_bytes_per_rank": record["peak_bytes_per_rank"],
         "check": record["check"],
     }

@@ -33,3 +33,33 @@ def test_compare_gradients_names_the_worst_parameter():
 def test_nccl_without_a_gpu_per_rank_is_refused():
     with pytest.raises(SystemExit, match="needs a GPU per rank"):
         bench._placement(bench._parse(["--device", "cpu", "--ranks", "2", "--backend", "nccl"]))
+
+
+def test_seco_on_each_rank_is_exact_and_sends_the_predicted_bytes():
+    """``--seco-chunk``: each rank runs SeCO over its slice; the step equals unsharded SeCO in
+    float64, and the bytes the ranks send (every isend, counted) are those
+    ``seco_bytes_per_step`` predicts."""
+    result = bench.measure(["--device", "cpu", "--ranks", "2", "--recipe", "tiny-hybrid", "--seq-len", "64",
+                            "--steps", "1", "--warmup", "0", "--dtype", "float64", "--check-grads",
+                            "--seco-chunk", "16"])
+    assert result["seco_chunk"] == 16
+    assert result["check"]["max_gradient_relative_difference"] < 1e-10
+    assert result["bytes_sent_per_step"] == result["bytes_forward"] + result["bytes_backward"] > 0
+
+
+def test_the_unsharded_run_can_be_skipped_and_bytes_match_the_plain_prediction():
+    result = bench.measure(["--device", "cpu", "--ranks", "2", "--recipe", "tiny-hybrid", "--seq-len", "32",
+                            "--steps", "1", "--warmup", "0", "--dtype", "float64", "--skip-unsharded",
+                            "--method", "sequential"])
+    assert result["single_s"] is None and result["ratio"] is None and result["sharded_s"] > 0
+    assert result["bytes_sent_per_step"] == result["bytes_forward"] + result["bytes_backward"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--check-grads", "--skip-unsharded"], "drop --skip-unsharded"),
+    (["--seco-chunk", "0"], "--seco-chunk must be at least 1"),
+])
+def test_bad_options_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench._parse(argv)
+    assert message in capsys.readouterr().err
