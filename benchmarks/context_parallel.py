@@ -74,6 +74,16 @@ def _placement(args) -> tuple[str, bool]:
     return backend, own_gpus
 
 
+def rank_device(args, rank: int, own_gpus: bool):
+    """Where rank ``rank`` runs: GPU ``rank`` with a GPU per rank, GPU 0 when the ranks share one
+    (an explicit index: ``torch.cuda.set_device`` refuses a bare ``cuda``), else the CPU."""
+    import torch
+
+    if args.device != "cuda":
+        return torch.device(args.device)
+    return torch.device("cuda", rank if own_gpus else 0)
+
+
 def _step_gradients(args, model, ids, autocast) -> tuple[float, dict]:
     """One training step of ``model`` on ``ids`` (:func:`_train_step`): (loss, {parameter:
     gradient, in the parameter's dtype})."""
@@ -157,7 +167,7 @@ def _worker(rank, args, init_file, result_file, ref_file):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
     backend, own_gpus = _placement(args)
-    device = torch.device("cuda", rank) if own_gpus else torch.device(args.device)
+    device = rank_device(args, rank, own_gpus)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)

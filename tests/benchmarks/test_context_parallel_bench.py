@@ -63,3 +63,12 @@ def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench._parse(argv)
     assert message in capsys.readouterr().err
+
+
+def test_each_rank_gets_an_indexed_device():
+    """A GPU per rank: rank r on GPU r; ranks sharing a GPU: all on GPU 0, named with its index
+    (``torch.cuda.set_device`` refuses a bare ``cuda``); CPU ranks on the CPU."""
+    cuda = bench._parse(["--device", "cuda"])
+    assert bench.rank_device(cuda, 1, own_gpus=True) == torch.device("cuda", 1)
+    assert bench.rank_device(cuda, 1, own_gpus=False) == torch.device("cuda", 0)
+    assert bench.rank_device(bench._parse(["--device", "cpu"]), 1, own_gpus=False) == torch.device("cpu")
