@@ -163,6 +163,7 @@ def _worker(rank, args, init_file, result_file, ref_file):
     import torch
     import torch.distributed as dist
 
+    from hybridzoo.parallel.comm import count_sent
     from hybridzoo.parallel.context import context_parallel, shard_sequence
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.ranks))
@@ -181,30 +182,20 @@ def _worker(rank, args, init_file, result_file, ref_file):
             torch.cuda.synchronize()
         dist.barrier()
 
-    sent, isend = [0], dist.isend
-
-    def counted(tensor, *a, **k):  # every point-to-point message of context parallelism is an isend
-        sent[0] += tensor.numel() * tensor.element_size()
-        return isend(tensor, *a, **k)
-
-    dist.isend = counted
-    try:
-        with context_parallel(method=args.method), _autocast(args, device):
-            local = shard_sequence(ids)
-            times = _time_steps(args, model, local, sync)
-    finally:
-        dist.isend = isend
-    sent_total = torch.tensor([sent[0]], dtype=torch.int64, device="cpu" if backend == "gloo" else device)
+    collective = "cpu" if backend == "gloo" else device  # gloo reduces host copies
+    with count_sent() as sent, context_parallel(method=args.method), _autocast(args, device):
+        local = shard_sequence(ids)
+        times = _time_steps(args, model, local, sync)
+    sent_total = torch.tensor(sent, dtype=torch.int64, device=collective)
     dist.all_reduce(sent_total)
     check = None
     if args.check_grads:
         with context_parallel(method=args.method):
             loss, grads = _step_gradients(args, model, shard_sequence(ids), _autocast(args, device))
-        # a rank's loss and gradients are its share of the sums (gloo reduces host copies)
-        staged = "cpu" if backend == "gloo" else device
-        total = torch.tensor(loss, dtype=torch.float64, device=staged)
+        # a rank's loss and gradients are its share of the sums
+        total = torch.tensor(loss, dtype=torch.float64, device=collective)
         dist.all_reduce(total)
-        grads = {name: grad.to(staged) for name, grad in grads.items()}
+        grads = {name: grad.to(collective) for name, grad in grads.items()}
         for grad in grads.values():
             dist.all_reduce(grad)
         if rank == 0:
@@ -212,14 +203,14 @@ def _worker(rank, args, init_file, result_file, ref_file):
             check = compare_gradients(float(total), {k: v.cpu() for k, v in grads.items()}, ref_loss, ref)
         del grads
     peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0,
-                        device="cpu" if backend == "gloo" else device)
+                        device=collective)
     peaks = [torch.zeros_like(peak) for _ in range(args.ranks)]
     dist.all_gather(peaks, peak)
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump({"times": times, "check": check, "backend": backend,
                        "bytes_sent_per_step": int(sent_total) // (args.warmup + args.steps),
-                       "devices": [f"cuda:{r}" for r in range(args.ranks)] if own_gpus else [str(device)],
+                       "devices": [str(rank_device(args, r, own_gpus)) for r in range(args.ranks)],
                        "peak_bytes_per_rank": [float(p) for p in peaks] if device.type == "cuda" else None}, f)
     dist.destroy_process_group()
 
@@ -237,10 +228,10 @@ def measure(argv=None) -> dict:
         raise SystemExit("context_parallel benchmark: --device cuda but no GPU is visible; use --device cpu")
     if args.seq_len % args.ranks:
         raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of --ranks {args.ranks}")
+    _placement(args)  # a bad --backend fails before any work
     model = _model(args, device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len),
                         generator=torch.Generator().manual_seed(1)).to(device)
-    _placement(args)  # a bad --backend fails before any work
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -282,7 +273,8 @@ def measure(argv=None) -> dict:
         "dtype": args.dtype, "seco_chunk": args.seco_chunk,
         "single_s": statistics.median(single) if single else None, "sharded_s": statistics.median(sharded),
         "ratio": statistics.median(sharded) / statistics.median(single) if single else None,
-        "bytes_forward": fwd, "bytes_backward": bwd, "bytes_sent_per_step": record["bytes_sent_per_step"], "backend": record["backend"], "rank_devices": record["devices"],
+        "bytes_forward": fwd, "bytes_backward": bwd, "bytes_sent_per_step": record["bytes_sent_per_step"],
+        "backend": record["backend"], "rank_devices": record["devices"],
         "peak_bytes_unsharded": single_peak, "peak_bytes_per_rank": record["peak_bytes_per_rank"],
         "check": record["check"],
     }

@@ -142,6 +142,18 @@ def reference_skip_reason(kind: str, device: str) -> str | None:
     return None
 
 
+def _normal_init(layer, std: float, types: tuple) -> None:
+    """A model class's init of its layer, as fla's and transformers' ``_init_weights`` apply it:
+    weights of the modules of ``types`` ~ N(0, std²), their biases 0, in ``modules()`` order."""
+    from torch import nn
+
+    for module in layer.modules():
+        if isinstance(module, types):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
 class ReferenceMixer:
     """Factory of an ``nn.Module`` that holds a reference layer in a hybridzoo ``Block``:
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], None)`` (no state: training only)."""
@@ -176,11 +188,7 @@ class ReferenceMixer:
                                              gate_low_rank_dim=c.gate_low_rank_dim, clamp_min=c.clamp_min, **common)
             else:
                 layer = MultiScaleRetention(**common)
-            for module in layer.modules():  # fla's model init (FLAPreTrainedModel._init_weights)
-                if isinstance(module, (nn.Linear, nn.Conv1d)):
-                    nn.init.normal_(module.weight, mean=0.0, std=c.initializer_range)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+            _normal_init(layer, c.initializer_range, (nn.Linear, nn.Conv1d))  # FLAPreTrainedModel._init_weights
             call = lambda m, x: m(x)[0]  # noqa: E731
         elif kind == "mamba1":
             from mamba_ssm import Mamba
@@ -209,11 +217,7 @@ class ReferenceMixer:
                                 max_position_embeddings=1 << 16, initializer_range=c.initializer_range)
             llama._attn_implementation = "sdpa"
             layer = LlamaAttention(llama, layer_idx=0)
-            for linear in layer.modules():
-                if isinstance(linear, nn.Linear):  # LlamaPreTrainedModel._init_weights
-                    nn.init.normal_(linear.weight, std=c.initializer_range)
-                    if linear.bias is not None:
-                        nn.init.zeros_(linear.bias)
+            _normal_init(layer, c.initializer_range, (nn.Linear,))  # LlamaPreTrainedModel._init_weights
             rotary = LlamaRotaryEmbedding(llama)
 
             def call(m, x):

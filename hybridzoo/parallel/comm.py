@@ -9,7 +9,8 @@ ranks exactly. The only collective is :func:`check_same_shapes` (one small ``all
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,24 @@ def exchange(send: torch.Tensor | None, dst: int | None, recv_like: torch.Tensor
     if staged and received is not None:
         received = received.to(recv_like.device)
     return received
+
+
+@contextlib.contextmanager
+def count_sent() -> Iterator[list[int]]:
+    """Count the bytes this process sends with ``dist.isend`` while the context is open (every
+    message of :func:`exchange`): yields a one-element list, ``[bytes]``, updated as they go."""
+    sent = [0]
+    original = dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.isend = counted
+    try:
+        yield sent
+    finally:
+        dist.isend = original
 
 
 def _host_staged(group, tensor: torch.Tensor | None) -> bool:

@@ -3,6 +3,8 @@ one process at the same global batch, and the options are checked before anythin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import data_parallel as bench
@@ -17,8 +19,6 @@ def test_ddp_on_two_cpu_processes_takes_the_one_process_steps(tmp_path):
     global batch each, would be off by far more), and both runs are timed."""
     out = tmp_path / "dp.json"
     assert bench.main(SMOKE + ["--out", str(out)]) == 0
-    import json
-
     result = json.loads(out.read_text())
     assert len(result["losses_one_device"]) == len(result["losses_2_devices"]) == 2
     assert result["max_relative_loss_difference"] < 1e-5

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +9,7 @@ import torch.distributed as dist
 from hybridzoo import HybridLM, kernels
 from hybridzoo.layers import Mixer
 from hybridzoo.parallel import recurrent_ops
-from hybridzoo.parallel.comm import ContextParallelError
+from hybridzoo.parallel.comm import ContextParallelError, count_sent
 from hybridzoo.parallel.context import context_parallel, shard_sequence, sharded
 from hybridzoo.parallel.costs import model_bytes_per_step
 from tests.parallel.model_cases import six_mixer_config
@@ -46,23 +44,6 @@ def check_errors(rank: int, size: int) -> None:
         with pytest.raises(ContextParallelError, match="already inside"):
             with context_parallel():
                 pass
-
-
-@contextlib.contextmanager
-def count_sent():
-    """Counts the bytes this rank sends with ``dist.isend`` (every point-to-point message)."""
-    sent = [0]
-    original = dist.isend
-
-    def spy(tensor, *args, **kwargs):
-        sent[0] += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
-
-    dist.isend = spy
-    try:
-        yield sent
-    finally:
-        dist.isend = original
 
 
 def _all_ranks(n: int) -> int:

@@ -13,7 +13,8 @@ from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import context_parallel, shard_sequence
 from hybridzoo.parallel.costs import seco_bytes_per_step
 from hybridzoo.training.seco_engine import seco_step
-from tests.parallel.misc_cases import _all_ranks, count_sent
+from hybridzoo.parallel.comm import count_sent
+from tests.parallel.misc_cases import _all_ranks
 from tests.parallel.model_cases import TOL, _rel, six_mixer_config
 
 
