@@ -312,22 +312,24 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
+    from benchmarks.graph_step import TrainStep, make_optimizer
     from hybridzoo.training.module import WarmupCosine, param_groups
-    from hybridzoo.zoo.model import lm_loss, shift_labels
 
     spec, device = job["spec"], job["device"]
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     torch.set_num_threads(job.get("threads", 1))
     row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
+    row["commit"] = job.get("commit")
     model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
     model.to(device)
     row["state_size"] = state_size(config, spec["seq_len"])
     row["parameters"] = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=job["lr"], betas=BETAS)
+    cuda = device.startswith("cuda")
+    graph = cuda and job.get("cuda_graph", True)
+    optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), job["lr"], BETAS, device, graph)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
-    cuda = device.startswith("cuda")
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
     order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
@@ -353,20 +355,14 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     # A copy from pageable host memory each step would wait for the GPU to finish the previous
     # step, so the host could never run ahead of these launch-bound models.
     train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
+    train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph)
     while step < spec["max_steps"]:
         if position + batch > order.numel():  # a new epoch: a new order (drawn on the CPU, as before)
             order, position = order[torch.randperm(order.numel())], 0
             order_on_device = order.to(device)
         index = order_on_device[position:position + batch]
         position += batch
-        x, y = train_ids[index], train_labels[index]
-        with autocast():
-            logits, _ = model(x)
-        loss = lm_loss(logits, shift_labels(y))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+        loss = train_step(index)
         scheduler.step()
         step += 1
         if step == 1:  # paired rows (same seed, same weights) must start from the same loss
@@ -381,7 +377,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
             if best >= 0.999 or since_best >= spec["patience"]:
                 break
             if out_of_time(spec, start):
-                row["stopped"] = f"time limit {spec['run_seconds']} s"
+                row["stopped"] = (f"time limit {spec['run_seconds']} s" if spec.get("run_seconds") else
+                                  "the invocation's --stop-at")
                 if checkpoint is not None:  # the next invocation resumes from here
                     torch.save(dict(schedule=_schedule(spec), model=model.state_dict(),
                                     optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
@@ -394,6 +391,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                 break
     if checkpoint is not None and not row.get("stopped") and checkpoint.is_file():
         checkpoint.unlink()  # finished: nothing to resume
+    row["cuda_graph"] = dict(used=train_step.captured is not None, check=train_step.check,
+                             fallback=train_step.fallback) if graph else None
     row.update(status="ok", steps=step, accuracy=max(p["accuracy"] for p in curve),
                final_accuracy=curve[-1]["accuracy"], val_loss=curve[-1]["val_loss"],
                seconds=round(earlier_seconds + time.perf_counter() - start, 1), curve=curve)
@@ -407,14 +406,21 @@ def _schedule(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def out_of_time(spec: dict[str, Any], start: float) -> bool:
-    """Whether a run that started at ``start`` (``time.perf_counter``) is past ``--run-seconds``
-    (checked at each evaluation; tests replace it)."""
+    """Whether a run that started at ``start`` (``time.perf_counter``) is past ``--run-seconds``,
+    or the invocation past ``--stop-at`` (``spec["deadline"]``, ``time.time()``); checked at each
+    evaluation; tests replace it."""
+    if spec.get("deadline") and time.time() > spec["deadline"]:
+        return True
     return bool(spec.get("run_seconds")) and time.perf_counter() - start > spec["run_seconds"]
 
 
 def _run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """Run a job in a worker and write its row; a failure becomes a row with the error."""
+    """Run a job in a worker and write its row; a failure becomes a row with the error. A job
+    reached after the invocation's ``--stop-at`` is not started (no row: the next invocation runs it)."""
     path = Path(job["path"])
+    if job["spec"].get("deadline") and time.time() > job["spec"]["deadline"]:
+        print(f"mqar: {job['id']}: not started (past --stop-at)", flush=True)
+        return {"id": job["id"], "status": "not started"}
     try:
         row = train_run(job)
     except Exception as error:  # one failed run must not lose the others
@@ -451,7 +457,8 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                     dev = f"cuda:{len(jobs) % gpus}" if device.startswith("cuda") else device
                     jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, variant=tag, kind=kind, size=size,
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
-                                     threads=args.threads))
+                                     threads=args.threads, cuda_graph=getattr(args, "cuda_graph", True),
+                                     commit=getattr(args, "commit", None)))
     return jobs, skipped
 
 
@@ -589,6 +596,34 @@ def collect(results: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
     return results
 
 
+def merged_setting(previous: dict[str, Any] | None, spec: dict[str, Any], args: argparse.Namespace, device: str,
+                   skipped: list[str], argv: list[str]) -> dict[str, Any]:
+    """The setting's entry in the results JSON after this invocation: its schedule, and the union
+    of the learning rates, seeds and command lines of every invocation that wrote into the file.
+    Runs of one file share one schedule (step cap, evaluation, data): another one is refused."""
+    import shlex
+
+    command = "python -m benchmarks.mqar " + shlex.join(argv)
+    entry = {**{k: v for k, v in spec.items() if k != "deadline"}, "lrs": sorted(set(args.lrs)), "seeds": sorted(set(args.seeds)), "device": device,
+             "device_name": device_name(device), "skipped": skipped, "weight_decay": WEIGHT_DECAY,
+             "betas": list(BETAS), "clip": CLIP, "min_lr_ratio": MIN_LR_RATIO, "argv": [command]}
+    if not previous:
+        return entry
+    if _schedule(previous) != _schedule(spec):
+        raise SystemExit(f"mqar: the file's {args.setting!r} runs have the schedule {_schedule(previous)}, not "
+                         f"{_schedule(spec)}; give another --name")
+    old_argv = previous.get("argv", [])
+    if old_argv and not all(isinstance(a, str) and a.startswith("python ") for a in old_argv):
+        old_argv = ["python -m benchmarks.mqar " + shlex.join(old_argv)]  # one invocation's tokens
+    entry["lrs"] = sorted(set(previous.get("lrs", [])) | set(args.lrs))
+    entry["seeds"] = sorted(set(previous.get("seeds", [])) | set(args.seeds))
+    entry["skipped"] = list(dict.fromkeys(previous.get("skipped", []) + skipped))
+    entry["argv"] = list(dict.fromkeys(old_argv + [command]))
+    if previous.get("run_seconds") and not spec.get("run_seconds"):
+        entry["run_seconds"] = previous["run_seconds"]
+    return entry
+
+
 def metadata() -> dict[str, Any]:
     import platform
 
@@ -629,8 +664,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop a run at its first evaluation past this many seconds (row marked 'stopped'); "
                              "it leaves <run>.resume.pt, and the next invocation with the same settings goes on "
                              "from there")
+    parser.add_argument("--stop-at", dest="stop_at", type=float, default=None,
+                        help="seconds after the start of this invocation: runs stop (and leave a checkpoint) at "
+                             "their first evaluation past it, and runs not started by then are left for the next "
+                             "invocation")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--workers", type=int, default=1, help="processes side by side (spread over the GPUs)")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                        help="run every CUDA training step eagerly (default: capture the step as a CUDA graph "
+                             "after 3 eager steps, checked against an eager step; see benchmarks/graph_step.py)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--out-dir", dest="out_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="file stem (default: <today>-mqar)")
@@ -670,19 +712,21 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("max_steps", "eval_every", "patience", "run_seconds"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
+    if args.stop_at is not None:
+        spec["deadline"] = time.time() + args.stop_at
     if args.overrides:
         import yaml
 
         spec["overrides"] = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     runs_dir.mkdir(parents=True, exist_ok=True)
+    meta = metadata()
+    args.commit = meta["commit"] + ("+dirty" if meta.get("dirty") else "")
     jobs, skipped = plan(args, spec, device, runs_dir)
     for line in skipped:
         print(f"mqar: skipped: {line}", flush=True)
-    results.setdefault("meta", metadata())
-    results["settings"][args.setting] = {**spec, "lrs": args.lrs, "seeds": args.seeds, "device": device,
-                                         "device_name": device_name(device), "skipped": skipped,
-                                         "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "clip": CLIP,
-                                         "min_lr_ratio": MIN_LR_RATIO, "argv": sys.argv[1:] if argv is None else argv}
+    results.setdefault("meta", meta)
+    results["settings"][args.setting] = merged_setting(results["settings"].get(args.setting), spec, args, device,
+                                                       skipped, sys.argv[1:] if argv is None else argv)
     print(f"mqar: {len(jobs)} runs to do on {device} with {args.workers} worker(s)", flush=True)
     if args.workers <= 1:
         for job in jobs:

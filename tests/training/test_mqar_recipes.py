@@ -281,11 +281,15 @@ def test_a_run_cut_by_the_time_limit_resumes_exactly_where_it_stopped(tmp_path, 
     assert first["steps"] == 6 and first["stopped"] and any((cut_dir / "r-runs").glob("*.resume.pt"))
     checkpoint = next((cut_dir / "r-runs").glob("*.resume.pt"))
 
-    # other settings: refused, the checkpoint kept
+    # other settings: refused for the file, and for the run itself; the checkpoint kept
     monkeypatch.setattr(bench, "out_of_time", lambda spec, start: False)
-    assert bench.main(argv + ["--out-dir", str(cut_dir), "--max-steps", "18"]) == 0
-    failed = json.loads((cut_dir / "r.json").read_text())["runs"][0]
-    assert failed["status"] == "failed" and "delete it to start the run again" in failed["error"]
+    with pytest.raises(SystemExit, match="give another --name"):
+        bench.main(argv + ["--out-dir", str(cut_dir), "--max-steps", "18"])
+    spec = dict(bench.SETTINGS["cpu-smoke"], max_steps=18)
+    job = dict(id="x", recipe="mqar-attn-s", impl="hybridzoo", lr=3e-3, seed=0, spec=spec, device="cpu",
+               path=str(checkpoint.with_suffix("").with_suffix(".json")))
+    with pytest.raises(ValueError, match="delete it to start the run again"):
+        bench.train_run(job)
     assert checkpoint.is_file()
 
     assert bench.main(argv + ["--out-dir", str(cut_dir)]) == 0
@@ -323,3 +327,61 @@ def test_a_run_trains_on_its_data_order_epoch_after_epoch(monkeypatch):
     for epoch in (seen[2:4], seen[4:6]):  # 2 batches of 8 from 20 examples per epoch
         indices = [rows[tuple(row.tolist())] for batch in epoch for row in batch]
         assert len(set(indices)) == 16
+
+
+def test_invocations_into_one_file_merge_their_sweeps_and_refuse_another_schedule(tmp_path, capsys):
+    """Two invocations with other learning rates and seeds write one file: its setting lists the
+    union of both and both command lines; a third with another step cap is refused by name."""
+    base = ["--setting", "cpu-smoke", "--kinds", "attn", "--sizes", "s", "--impls", "hybridzoo", "--device", "cpu",
+            "--name", "m", "--out-dir", str(tmp_path), "--max-steps", "2", "--eval-every", "2"]
+    assert bench.main(base + ["--lrs", "3e-3", "--seeds", "0"]) == 0
+    assert bench.main(base + ["--lrs", "1e-2", "--seeds", "1"]) == 0
+    results = json.loads((tmp_path / "m.json").read_text())
+    setting = results["settings"]["cpu-smoke"]
+    assert setting["lrs"] == [3e-3, 1e-2] and setting["seeds"] == [0, 1] and len(setting["argv"]) == 2
+    assert sorted((r["lr"], r["seed"]) for r in results["runs"]) == [(3e-3, 0), (1e-2, 1)]
+    assert all(r["commit"] and r["cuda_graph"] is None for r in results["runs"])  # eager on the CPU
+    with pytest.raises(SystemExit, match="give another --name"):
+        bench.main(base[:-4] + ["--max-steps", "4", "--lrs", "3e-3", "--seeds", "0"])
+    capsys.readouterr()
+
+
+def test_stop_at_leaves_the_runs_it_did_not_start_for_the_next_invocation(tmp_path, capsys):
+    """Past --stop-at, a running run stops at its next evaluation (a checkpoint), a run not yet
+    started writes no row, and the next invocation runs and finishes both."""
+    argv = ["--setting", "cpu-smoke", "--kinds", "attn", "--sizes", "s", "--impls", "hybridzoo", "--device", "cpu",
+            "--name", "d", "--out-dir", str(tmp_path), "--lrs", "3e-3", "--seeds", "0,1"]
+    assert bench.main(argv + ["--stop-at", "0"]) == 0
+    runs = tmp_path / "d-runs"
+    assert list(runs.glob("*.json")) == [] and list(runs.glob("*.resume.pt")) == []
+    assert "not started (past --stop-at)" in capsys.readouterr().out
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "d.json").read_text())["runs"]
+    assert [r["steps"] for r in rows] == [12, 12] and not any(r.get("stopped") for r in rows)
+    assert "deadline" not in json.loads((tmp_path / "d.json").read_text())["settings"]["cpu-smoke"]
+    capsys.readouterr()
+
+
+def test_train_step_on_the_cpu_is_the_eager_step_and_refuses_a_graph():
+    """benchmarks.graph_step.TrainStep: eager, it is one AdamW step on the gathered batch (the same
+    weights as the step written out); a CUDA graph on CPU tensors is refused."""
+    from benchmarks.graph_step import TrainStep, make_optimizer
+    from hybridzoo.zoo.model import lm_loss, shift_labels
+
+    spec = bench.SETTINGS["cpu-smoke"]
+    ids, labels = bench.batches_of(spec, 0)[:2]
+    models = [bench.build_model("mqar-attn-s", "hybridzoo", spec, 0)[0] for _ in range(2)]
+    optims = [make_optimizer(m.parameters(), 3e-3, (0.9, 0.95), "cpu", graph=False) for m in models]
+    index = torch.arange(8)
+    step = TrainStep(models[0], optims[0], ids, labels, clip=1.0)
+    loss = step(index)
+    logits, _ = models[1](ids[index])
+    expected = lm_loss(logits, shift_labels(labels[index]))
+    expected.backward()
+    torch.nn.utils.clip_grad_norm_(models[1].parameters(), 1.0)
+    optims[1].step()
+    assert torch.equal(loss, expected.detach())
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="CUDA graph needs"):
+        TrainStep(models[0], optims[0], ids, labels, clip=1.0, graph=True)
