@@ -47,6 +47,8 @@ class TrainStep:
         self.model, self.optimizer, self.clip = model, optimizer, clip
         self.ids, self.labels = train_ids, train_labels
         self.autocast_dtype, self.graph, self.warmup, self.tolerance = autocast_dtype, graph, warmup, tolerance
+        if hasattr(model, "check_ids"):
+            model.check_ids(train_ids)  # once, whole: each step's batch is a gather of these rows
         self.calls = 0
         self.captured: torch.cuda.CUDAGraph | None = None
         self.static_index: torch.Tensor | None = None
@@ -62,7 +64,9 @@ class TrainStep:
 
     def _eager(self, index: torch.Tensor) -> torch.Tensor:
         x, y = self.ids[index], self.labels[index]
-        with self._autocast():
+        # the ids were range-checked once, whole (HybridLM.check_ids): no host sync per step
+        checked = self.model.ids_checked() if hasattr(self.model, "ids_checked") else contextlib.nullcontext()
+        with self._autocast(), checked:
             logits, _ = self.model(x)
         loss = lm_loss(logits, shift_labels(y))
         self.optimizer.zero_grad(set_to_none=True)

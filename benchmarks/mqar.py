@@ -231,10 +231,14 @@ class ReferenceMixer:
         else:
             raise ValueError(f"benchmarks.mqar: unknown mixer kind {kind!r}")
 
+        extra = rotary if kind == "attn" else None  # its table moves with the model (no host copy per call)
+
         class Wrapped(nn.Module):
             def __init__(self):
                 super().__init__()
                 self.layer = layer
+                if extra is not None:
+                    self.rotary = extra
 
             def forward(self, x, state=None):
                 return call(self.layer, x), None
