@@ -477,14 +477,18 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (setting, recipe, impl), by_lr in groups.items():
         medians = {lr: statistics.median(r["accuracy"] for r in rs) for lr, rs in by_lr.items()}
-        lr = max(medians, key=lambda k: (medians[k], -k))
+        # a learning rate competes only with as many finished seeds as the best-covered one: a
+        # median of one lucky seed must not beat a median of three
+        full = max(len(rs) for rs in by_lr.values())
+        lr = max((k for k in medians if len(by_lr[k]) == full), key=lambda k: (medians[k], -k))
         rs = by_lr[lr]
         out.append(dict(setting=setting, recipe=recipe, kind=rs[0]["kind"], size=rs[0]["size"], impl=impl,
                         state_size=rs[0]["state_size"], parameters=rs[0]["parameters"], best_lr=lr,
                         median_accuracy=medians[lr], min_accuracy=min(r["accuracy"] for r in rs),
                         max_accuracy=max(r["accuracy"] for r in rs), seeds=sorted(r["seed"] for r in rs),
                         median_steps=statistics.median(r["steps"] for r in rs),
-                        medians_by_lr={f"{k:g}": v for k, v in sorted(medians.items())}))
+                        medians_by_lr={f"{k:g}": v for k, v in sorted(medians.items())},
+                        seeds_by_lr={f"{k:g}": len(by_lr[k]) for k in sorted(by_lr)}))
     order = {k: i for i, k in enumerate(KINDS)}
     out.sort(key=lambda s: (s["setting"], order.get(s["kind"], 99), s["size"] == "l", s["impl"]))
     return out
@@ -494,7 +498,10 @@ def results_table(results: dict[str, Any]) -> str:
     """Markdown: per setting, one line per recipe with hybridzoo's and the reference's medians."""
     lines = [f"# MQAR, hybridzoo beside reference layers ({results.get('date', '')})", ""]
     meta = results.get("meta", {})
-    if meta:
+    commits = list(dict.fromkeys(str(r["commit"])[:7] for r in results.get("runs", []) if r.get("commit")))
+    if len(commits) > 1:
+        lines += [f"commits {', '.join(f'`{c}`' for c in commits)} (each run's in the JSON), torch {meta.get('torch')}", ""]
+    elif meta:
         lines += [f"commit `{meta.get('commit')}`{' (uncommitted changes)' if meta.get('dirty') else ''}, "
                   f"torch {meta.get('torch')}", ""]
     summary = results.get("summary", [])

@@ -190,6 +190,18 @@ def test_summary_takes_the_best_learning_rate_median():
     assert row["min_accuracy"] == pytest.approx(0.5) and row["median_steps"] == 200
 
 
+def test_a_learning_rate_with_fewer_finished_seeds_does_not_win():
+    """One lucky seed at 1e-2 (0.99) against three at 3e-3 (median 0.6): 3e-3 is the best
+    learning rate; the summary says how many seeds each learning rate has."""
+    base = dict(setting="gpu", recipe="mqar-gdn-l", kind="gdn", size="l", impl="reference", state_size=1,
+                parameters=1, status="ok", steps=100)
+    rows = [dict(base, lr=3e-3, seed=s, accuracy=a) for s, a in ((0, 0.5), (1, 0.6), (2, 0.7))]
+    rows.append(dict(base, lr=1e-2, seed=0, accuracy=0.99))
+    (row,) = bench.summarize(rows)
+    assert row["best_lr"] == 3e-3 and row["median_accuracy"] == pytest.approx(0.6)
+    assert row["seeds_by_lr"] == {"0.003": 3, "0.01": 1} and row["medians_by_lr"]["0.01"] == 0.99
+
+
 def test_results_table_on_fake_results():
     table = bench.results_table(fake_results())
     lines = table.splitlines()
@@ -385,3 +397,11 @@ def test_train_step_on_the_cpu_is_the_eager_step_and_refuses_a_graph():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="CUDA graph needs"):
         TrainStep(models[0], optims[0], ids, labels, clip=1.0, graph=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_time_mqar_step_script_says_it_needs_cuda():
+    from tests.conftest import load_script
+
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        load_script("time_mqar_step").main([])
