@@ -322,6 +322,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     spec, device = job["spec"], job["device"]
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        if job.get("quick_autotune", True):
+            quick_autotuning()
     torch.set_num_threads(job.get("threads", 1))
     row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
     row["commit"] = job.get("commit")
@@ -403,6 +405,28 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def quick_autotuning(warmup_ms: float = 2.0, rep_ms: float = 10.0) -> None:
+    """Shorten the timing behind every Triton autotuner of this process (fla's and hybridzoo's):
+    ``triton.testing.do_bench`` defaults to ``warmup_ms`` / ``rep_ms`` instead of 25 / 100 ms per
+    config. Triton's autotuners time each config with it (``driver.active.get_benchmarker()``,
+    read at their first tuning, so call this before any kernel runs). fla's layers at MQAR's
+    shapes have some twenty tuned kernels of tens of configs: minutes per process at Triton's
+    defaults, with several processes sharing the GPU. The configs chosen may differ a little
+    in speed; what is computed does not."""
+    import triton.testing
+
+    original = triton.testing.do_bench
+    if getattr(original, "quick", None) is not None:
+        return
+
+    def do_bench(fn, warmup=warmup_ms, rep=rep_ms, *args, **kwargs):
+        return original(fn, warmup, rep, *args, **kwargs)
+
+    do_bench.quick = (warmup_ms, rep_ms)
+    do_bench.__wrapped__ = original
+    triton.testing.do_bench = do_bench
+
+
 def _schedule(spec: dict[str, Any]) -> dict[str, Any]:
     """What a resumed run must share with the run it continues."""
     return {k: spec.get(k) for k in ("seq_len", "num_pairs", "vocab_size", "batch_size", "num_train",
@@ -462,6 +486,7 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                     jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, variant=tag, kind=kind, size=size,
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
                                      threads=args.threads, cuda_graph=getattr(args, "cuda_graph", True),
+                                     quick_autotune=not getattr(args, "full_autotune", False),
                                      commit=getattr(args, "commit", None)))
     return jobs, skipped
 
@@ -675,6 +700,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop a run at its first evaluation past this many seconds (row marked 'stopped'); "
                              "it leaves <run>.resume.pt, and the next invocation with the same settings goes on "
                              "from there")
+    parser.add_argument("--full-autotune", dest="full_autotune", action="store_true",
+                        help="time each autotuner config for Triton's default 25 + 100 ms (default: 2 + 10 ms, "
+                             "see quick_autotuning)")
     parser.add_argument("--stop-at", dest="stop_at", type=float, default=None,
                         help="seconds after the start of this invocation: runs stop (and leave a checkpoint) at "
                              "their first evaluation past it, and runs not started by then are left for the next "

@@ -405,3 +405,19 @@ def test_time_mqar_step_script_says_it_needs_cuda():
 
     with pytest.raises(SystemExit, match="needs CUDA"):
         load_script("time_mqar_step").main([])
+
+
+def test_quick_autotuning_shortens_the_timing_of_every_autotuner(monkeypatch):
+    """quick_autotuning: triton.testing.do_bench (what Triton's autotuners time configs with)
+    gets 2 + 10 ms defaults, passes explicit arguments through, and is not wrapped twice."""
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=25, rep=100, *a, **k: calls.append((warmup, rep, k)))
+    bench.quick_autotuning()
+    triton.testing.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
+    triton.testing.do_bench(lambda: None, 5, 50)
+    assert calls == [(2.0, 10.0, {"quantiles": (0.5, 0.2, 0.8)}), (5, 50, {})]
+    wrapped = triton.testing.do_bench
+    bench.quick_autotuning()
+    assert triton.testing.do_bench is wrapped and wrapped.quick == (2.0, 10.0)
