@@ -10,6 +10,10 @@ snapshot of the weights and optimizer state, the snapshot is restored, the graph
 replayed for the same batch, and the two losses and every parameter are compared (``check``). A
 capture that fails (an op that waits on the host) falls back to eager steps and says why
 (``fallback``); nothing of the run is lost.
+
+With ``scored_only`` the LM head and the loss run at the scored positions alone (MQAR scores the
+token after each query key: 16 of 256): the same loss and gradients, since the other positions
+contribute nothing, for a sixteenth of the ``[B, T, vocab]`` logits' work.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hybridzoo.zoo.cross_entropy import IGNORE_INDEX
 from hybridzoo.zoo.model import lm_loss, shift_labels
 
 
@@ -41,9 +46,22 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_ids: torch.Tensor,
                  train_labels: torch.Tensor, clip: float, autocast_dtype: torch.dtype | None = None,
-                 graph: bool = False, warmup: int = 3, tolerance: float = 1e-3):
+                 graph: bool = False, warmup: int = 3, tolerance: float = 1e-3, scored_only: bool = False):
         if graph and not train_ids.is_cuda:
             raise ValueError("TrainStep: a CUDA graph needs the model and data on a CUDA device")
+        if warmup < 1:
+            raise ValueError("TrainStep: warmup must be >= 1 (the optimizer's state exists before the capture)")
+        # scored_only: the head and the loss at the scored positions only (MQAR scores 1 token in 16);
+        # the same loss and gradients as over every position, where the others contribute nothing.
+        # Each row's scored positions, found once for the whole training set: a fixed count per
+        # row (the most of any row; a row with fewer pads with ignored positions).
+        self.positions = self.picked = None
+        if scored_only:
+            targets = shift_labels(train_labels)
+            scored = targets != IGNORE_INDEX
+            width = max(1, int(scored.sum(1).max()))
+            self.positions = torch.topk(scored.to(torch.float32), width, dim=1, sorted=False).indices
+            self.picked = targets.gather(1, self.positions)
         self.model, self.optimizer, self.clip = model, optimizer, clip
         self.ids, self.labels = train_ids, train_labels
         self.autocast_dtype, self.graph, self.warmup, self.tolerance = autocast_dtype, graph, warmup, tolerance
@@ -67,8 +85,15 @@ class TrainStep:
         # the ids were range-checked once, whole (HybridLM.check_ids): no host sync per step
         checked = self.model.ids_checked() if hasattr(self.model, "ids_checked") else contextlib.nullcontext()
         with self._autocast(), checked:
-            logits, _ = self.model(x)
-        loss = lm_loss(logits, shift_labels(y))
+            if self.positions is None:
+                logits, _ = self.model(x)
+                targets = shift_labels(y)
+            else:
+                hidden, _ = self.model(x, return_hidden=True)
+                where = self.positions[index]
+                logits = self.model.lm_head(hidden.gather(1, where[..., None].expand(-1, -1, hidden.shape[-1])))
+                targets = self.picked[index]
+        loss = lm_loss(logits, targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)

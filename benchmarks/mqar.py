@@ -361,7 +361,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     # A copy from pageable host memory each step would wait for the GPU to finish the previous
     # step, so the host could never run ahead of these launch-bound models.
     train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
-    train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph)
+    train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph,
+                           scored_only=True)
     while step < spec["max_steps"]:
         if position + batch > order.numel():  # a new epoch: a new order (drawn on the CPU, as before)
             order, position = order[torch.randperm(order.numel())], 0

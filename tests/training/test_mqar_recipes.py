@@ -395,6 +395,17 @@ def test_train_step_on_the_cpu_is_the_eager_step_and_refuses_a_graph():
     assert torch.equal(loss, expected.detach())
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+    # the head and loss at the scored positions only: the same loss and the same step, in float64
+    models = [bench.build_model("mqar-attn-s", "hybridzoo", spec, 0)[0].double() for _ in range(2)]
+    optims = [make_optimizer(m.parameters(), 3e-3, (0.9, 0.95), "cpu", graph=False) for m in models]
+    steps = [TrainStep(models[0], optims[0], ids, labels, clip=1.0, scored_only=True),
+             TrainStep(models[1], optims[1], ids, labels, clip=1.0)]
+    assert steps[0].positions.shape == (ids.shape[0], spec["num_pairs"])
+    for index in (torch.arange(8), torch.arange(8, 16)):
+        losses = [s(index) for s in steps]
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=0)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="CUDA graph needs"):
         TrainStep(models[0], optims[0], ids, labels, clip=1.0, graph=True)
 
