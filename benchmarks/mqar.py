@@ -45,7 +45,9 @@ and ``<name>.png`` (median accuracy against state size, per mixer, hybridzoo sol
 dashed; needs matplotlib).
 
 Rows that need CUDA are skipped on a machine without it (with a line saying so), as are
-mamba_ssm rows without a mamba_ssm build.
+mamba_ssm rows without a mamba_ssm build. The reference layers are in
+:mod:`benchmarks.mqar_reference`, the summary, tables and plot in :mod:`benchmarks.mqar_report`,
+the training step (eager or a CUDA graph) in :mod:`benchmarks.graph_step`.
 """
 
 from __future__ import annotations
@@ -55,19 +57,21 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.mqar_reference import KINDS, NEEDS_CUDA, REFERENCE_NAMES, ReferenceMixer, reference_skip_reason
+from benchmarks.mqar_report import collect, paired_table, plot_results, results_table, summarize, write_outputs
+
+__all__ = ["KINDS", "IMPLS", "SETTINGS", "NEEDS_CUDA", "REFERENCE_NAMES", "ReferenceMixer", "reference_skip_reason",
+           "state_size", "mqar_recipes", "build_model", "batches_of", "evaluate", "train_run", "quick_autotuning",
+           "plan", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
+           "merged_setting", "parse_args", "main"]
+
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("mamba1", "mamba2", "gla", "retnet", "gdn", "attn")
 IMPLS = ("hybridzoo", "reference")
-REFERENCE_NAMES = {"gdn": "fla GatedDeltaNet", "gla": "fla GatedLinearAttention",
-                   "retnet": "fla MultiScaleRetention", "mamba1": "mamba_ssm Mamba",
-                   "mamba2": "mamba_ssm Mamba2", "attn": "transformers LlamaAttention (sdpa)"}
-NEEDS_CUDA = {"gdn", "gla", "retnet", "mamba1", "mamba2"}  # reference layers without a CPU path
 
 # Zoology's MQAR settings (vocab 8192, 100k training examples, power_a 0.01) at two lengths, and a
 # CPU smoke setting that checks the machinery in seconds.
@@ -126,124 +130,6 @@ def mqar_recipes() -> list[str]:
     names = [n for n in recipe_names() if n.startswith("mqar-")]
     return sorted(names, key=lambda n: (KINDS.index(n.split("-")[1]) if n.split("-")[1] in KINDS else 99,
                                         n.endswith("-l"), n))
-
-
-# ---- the reference layers ----------------------------------------------------------------------
-def reference_skip_reason(kind: str, device: str) -> str | None:
-    """Why the reference layer of ``kind`` cannot run here (None: it can)."""
-    import importlib.util
-
-    if kind in NEEDS_CUDA and not device.startswith("cuda"):
-        return f"{REFERENCE_NAMES[kind]} needs CUDA (no CPU path); skipped on {device}"
-    package = {"gdn": "fla", "gla": "fla", "retnet": "fla", "mamba1": "mamba_ssm", "mamba2": "mamba_ssm",
-               "attn": "transformers"}[kind]
-    if importlib.util.find_spec(package) is None:
-        return f"{REFERENCE_NAMES[kind]} needs the {package} package (pip install {package})"
-    return None
-
-
-def _normal_init(layer, std: float, types: tuple) -> None:
-    """A model class's init of its layer, as fla's and transformers' ``_init_weights`` apply it:
-    weights of the modules of ``types`` ~ N(0, std²), their biases 0, in ``modules()`` order."""
-    from torch import nn
-
-    for module in layer.modules():
-        if isinstance(module, types):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-
-class ReferenceMixer:
-    """Factory of an ``nn.Module`` that holds a reference layer in a hybridzoo ``Block``:
-    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], None)`` (no state: training only)."""
-
-    @staticmethod
-    def build(kind: str, config):
-        import torch
-        from torch import nn
-
-        d = config.d_model
-        c = getattr(config, kind)
-        if kind in ("gdn", "gla", "retnet"):
-            from benchmarks.fla_backward import allow_fla_gated_backward
-
-            allow_fla_gated_backward()
-        if kind == "gdn":
-            from fla.layers import GatedDeltaNet
-
-            layer = GatedDeltaNet(hidden_size=d, head_dim=c.head_k_dim, num_heads=c.num_k_heads,
-                                  num_v_heads=c.num_v_heads, expand_v=c.head_v_dim / c.head_k_dim,
-                                  conv_size=c.conv_size, norm_eps=c.norm_eps)
-            call = lambda m, x: m(x)[0]  # noqa: E731
-        elif kind in ("gla", "retnet"):
-            from fla.layers import GatedLinearAttention, MultiScaleRetention
-
-            common = dict(mode="chunk", hidden_size=d, expand_k=c.expand_k, expand_v=c.expand_v,
-                          num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, use_short_conv=c.use_short_conv,
-                          conv_size=c.conv_size, conv_bias=c.conv_bias, use_output_gate=c.use_output_gate,
-                          norm_eps=c.norm_eps)
-            if kind == "gla":
-                layer = GatedLinearAttention(gate_logit_normalizer=c.gate_logit_normalizer,
-                                             gate_low_rank_dim=c.gate_low_rank_dim, clamp_min=c.clamp_min, **common)
-            else:
-                layer = MultiScaleRetention(**common)
-            _normal_init(layer, c.initializer_range, (nn.Linear, nn.Conv1d))  # FLAPreTrainedModel._init_weights
-            call = lambda m, x: m(x)[0]  # noqa: E731
-        elif kind == "mamba1":
-            from mamba_ssm import Mamba
-
-            layer = Mamba(d_model=d, d_state=c.d_state, d_conv=c.d_conv, expand=c.expand, dt_rank=c.dt_rank,
-                          dt_min=c.dt_min, dt_max=c.dt_max, dt_init=c.dt_init, dt_scale=c.dt_scale,
-                          dt_init_floor=c.dt_init_floor, conv_bias=c.conv_bias, bias=c.bias)
-            call = lambda m, x: m(x)  # noqa: E731
-        elif kind == "mamba2":
-            from mamba_ssm import Mamba2
-
-            layer = Mamba2(d_model=d, d_state=c.d_state, d_conv=c.d_conv, expand=c.expand, headdim=c.head_dim,
-                           ngroups=c.n_groups, chunk_size=c.chunk_size, A_init_range=tuple(c.A_init_range),
-                           dt_min=c.dt_min, dt_max=c.dt_max, dt_init_floor=c.dt_init_floor,
-                           conv_bias=c.conv_bias, bias=c.bias)
-            call = lambda m, x: m(x)  # noqa: E731
-        elif kind == "attn":
-            from transformers import LlamaConfig
-            from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
-
-            if c.qk_norm or c.output_gate:
-                raise ValueError("benchmarks.mqar: the Llama reference has no q/k norms and no output gate")
-            heads = c.n_heads
-            llama = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=c.n_kv_heads or heads,
-                                head_dim=c.head_dim or d // heads, rope_theta=c.rope_base, attention_bias=c.bias,
-                                max_position_embeddings=1 << 16, initializer_range=c.initializer_range)
-            llama._attn_implementation = "sdpa"
-            layer = LlamaAttention(llama, layer_idx=0)
-            _normal_init(layer, c.initializer_range, (nn.Linear,))  # LlamaPreTrainedModel._init_weights
-            rotary = LlamaRotaryEmbedding(llama)
-
-            def call(m, x):
-                positions = torch.arange(x.shape[1], device=x.device)
-                mask = None  # full causal attention: SDPA's is_causal
-                if c.window is not None:  # key j visible from query i iff 0 <= i - j < window
-                    gap = positions[:, None] - positions[None, :]
-                    mask = torch.zeros(gap.shape, dtype=x.dtype, device=x.device).masked_fill(
-                        (gap < 0) | (gap >= c.window), float("-inf"))[None, None]
-                return m(x, position_embeddings=rotary(x, positions[None]), attention_mask=mask)[0]
-        else:
-            raise ValueError(f"benchmarks.mqar: unknown mixer kind {kind!r}")
-
-        extra = rotary if kind == "attn" else None  # its table moves with the model (no host copy per call)
-
-        class Wrapped(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layer = layer
-                if extra is not None:
-                    self.rotary = extra
-
-            def forward(self, x, state=None):
-                return call(self.layer, x), None
-
-        return Wrapped()
 
 
 # ---- one run -----------------------------------------------------------------------------------
@@ -490,147 +376,6 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                                      quick_autotune=not getattr(args, "full_autotune", False),
                                      commit=getattr(args, "commit", None)))
     return jobs, skipped
-
-
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (setting, recipe, impl): the best learning rate by median accuracy over the
-    seeds, its median, min and max, and the seeds counted. Runs stopped by the time limit
-    (``--run-seconds``) are left out."""
-    groups: dict[tuple, dict[float, list[dict]]] = {}
-    for row in rows:
-        if row.get("status") == "ok" and not row.get("stopped"):  # a run cut by --run-seconds is not counted
-            groups.setdefault((row["setting"], row["recipe"] + row.get("variant", ""), row["impl"]), {}).setdefault(row["lr"], []).append(row)
-    out = []
-    for (setting, recipe, impl), by_lr in groups.items():
-        medians = {lr: statistics.median(r["accuracy"] for r in rs) for lr, rs in by_lr.items()}
-        # a learning rate competes only with as many finished seeds as the best-covered one: a
-        # median of one lucky seed must not beat a median of three
-        full = max(len(rs) for rs in by_lr.values())
-        lr = max((k for k in medians if len(by_lr[k]) == full), key=lambda k: (medians[k], -k))
-        rs = by_lr[lr]
-        out.append(dict(setting=setting, recipe=recipe, kind=rs[0]["kind"], size=rs[0]["size"], impl=impl,
-                        state_size=rs[0]["state_size"], parameters=rs[0]["parameters"], best_lr=lr,
-                        median_accuracy=medians[lr], min_accuracy=min(r["accuracy"] for r in rs),
-                        max_accuracy=max(r["accuracy"] for r in rs), seeds=sorted(r["seed"] for r in rs),
-                        median_steps=statistics.median(r["steps"] for r in rs),
-                        medians_by_lr={f"{k:g}": v for k, v in sorted(medians.items())},
-                        seeds_by_lr={f"{k:g}": len(by_lr[k]) for k in sorted(by_lr)}))
-    order = {k: i for i, k in enumerate(KINDS)}
-    out.sort(key=lambda s: (s["setting"], order.get(s["kind"], 99), s["size"] == "l", s["impl"]))
-    return out
-
-
-def results_table(results: dict[str, Any]) -> str:
-    """Markdown: per setting, one line per recipe with hybridzoo's and the reference's medians."""
-    lines = [f"# MQAR, hybridzoo beside reference layers ({results.get('date', '')})", ""]
-    meta = results.get("meta", {})
-    commits = list(dict.fromkeys(str(r["commit"])[:7] for r in results.get("runs", []) if r.get("commit")))
-    if len(commits) > 1:
-        lines += [f"commits {', '.join(f'`{c}`' for c in commits)} (each run's in the JSON), torch {meta.get('torch')}", ""]
-    elif meta:
-        lines += [f"commit `{meta.get('commit')}`{' (uncommitted changes)' if meta.get('dirty') else ''}, "
-                  f"torch {meta.get('torch')}", ""]
-    summary = results.get("summary", [])
-    for setting, spec in results.get("settings", {}).items():
-        lines += [f"## setting `{setting}`", "",
-                  f"T = {spec['seq_len']}, {spec['num_pairs']} pairs, vocab {spec['vocab_size']}, batch "
-                  f"{spec['batch_size']}, at most {spec['max_steps']} steps (stop when the held-out accuracy has "
-                  f"not risen for {spec['patience']} evaluations every {spec['eval_every']} steps), learning rates "
-                  f"{', '.join(f'{lr:g}' for lr in spec.get('lrs', []))}, seeds {spec.get('seeds')}; "
-                  f"device {spec.get('device_name', '?')}", "",
-                  "| recipe | state size | hybridzoo median (min-max) | lr | reference | reference median (min-max) | lr |",
-                  "|---|---:|---:|---:|---|---:|---:|"]
-        rows = [s for s in summary if s["setting"] == setting]
-        for recipe in dict.fromkeys(s["recipe"] for s in rows):
-            cell = {s["impl"]: s for s in rows if s["recipe"] == recipe}
-            hz, ref = cell.get("hybridzoo"), cell.get("reference")
-            fmt = lambda s: (f"{s['median_accuracy']:.3f} ({s['min_accuracy']:.3f}-{s['max_accuracy']:.3f})"  # noqa: E731
-                             if s else "-")
-            any_row = hz or ref
-            lines.append(f"| {recipe} | {any_row['state_size']:,} | {fmt(hz)} | {hz['best_lr'] if hz else '-'} | "
-                         f"{REFERENCE_NAMES.get(any_row['kind'], '?')} | {fmt(ref)} | {ref['best_lr'] if ref else '-'} |")
-        lines.append("")
-    lines += paired_table(results.get("runs", []))
-    for note in results.get("notes", []):
-        lines.append(f"- {note}")
-    return "\n".join(lines) + "\n"
-
-
-def paired_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: each (setting, recipe, lr, seed) run by both implementations (no ``--set``
-    variant), side by side with the loss of their first step (equal when they start from the
-    same weights) and the accuracy at each evaluation."""
-    runs = {(r["setting"], r["recipe"], r["lr"], r["seed"], r["impl"]): r for r in rows
-            if r.get("status") == "ok" and not r.get("variant")}
-    pairs = sorted({k[:4] for k in runs if k[4] == "hybridzoo" and (*k[:4], "reference") in runs})
-    if not pairs:
-        return []
-    curve = lambda r: " ".join(f"{p['accuracy']:.2f}" for p in r.get("curve", []))  # noqa: E731
-    lines = ["## paired runs (same seed, same data)", "",
-             "| setting | recipe | lr | seed | first loss hybridzoo / reference | best accuracy hybridzoo / reference "
-             "| accuracy per evaluation, hybridzoo | reference |", "|---|---|---:|---:|---|---|---|---|"]
-    for key in pairs:
-        hz, ref = runs[(*key, "hybridzoo")], runs[(*key, "reference")]
-        cut = lambda r: f" (cut at {r['steps']} steps: {r['stopped']})" if r.get("stopped") else ""  # noqa: E731
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]} | {hz.get('first_loss')} / {ref.get('first_loss')} "
-                     f"| {hz['accuracy']:.3f}{cut(hz)} / {ref['accuracy']:.3f}{cut(ref)} | {curve(hz)} | {curve(ref)} |")
-    return lines + [""]
-
-
-def plot_results(results: dict[str, Any], path: Path) -> Path:
-    """Median accuracy against state size, one panel per setting, per mixer a colour, hybridzoo
-    solid with filled circles and the reference dashed with open squares, drawn a little to the
-    right of the same state size so that equal results stay visible. Needs matplotlib."""
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError("the plot needs matplotlib: pip install matplotlib") from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = list(results.get("settings", {}))
-    fig, axes = plt.subplots(1, max(1, len(settings)), figsize=(6.5 * max(1, len(settings)), 4.5), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
-        rows = [s for s in results.get("summary", []) if s["setting"] == setting]
-        for kind in KINDS:
-            for impl, style, marker, shift in (("hybridzoo", "-", "o", 1.0), ("reference", "--", "s", 1.08)):
-                points = sorted((s["state_size"] * shift, s["median_accuracy"]) for s in rows
-                                if s["kind"] == kind and s["impl"] == impl)
-                if points:
-                    colour = f"C{KINDS.index(kind)}"
-                    ax.plot(*zip(*points), style, marker=marker, color=colour, label=f"{kind} ({impl})",
-                            markerfacecolor=colour if impl == "hybridzoo" else "none")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("state size (floats per sequence per layer)")
-        ax.set_ylabel("MQAR accuracy (median over seeds, best lr)")
-        ax.set_title(setting)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
-def write_outputs(results: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
-    paths[1].write_text(results_table(results))
-    try:
-        paths.append(plot_results(results, out_dir / f"{name}.png"))
-    except ImportError as error:
-        print(f"mqar: no plot: {error}", file=sys.stderr)
-    return paths
-
-
-def collect(results: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
-    """Fold every run file of ``runs_dir`` into ``results`` (runs and summary)."""
-    rows = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))] if runs_dir.is_dir() else []
-    results["runs"] = rows
-    results["summary"] = summarize(rows)
-    return results
 
 
 def merged_setting(previous: dict[str, Any] | None, spec: dict[str, Any], args: argparse.Namespace, device: str,
