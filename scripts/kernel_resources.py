@@ -183,10 +183,15 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
 # spill at N = 16 with Triton 3.6 (524, 540, 180 and 236 B; 3.7.1 and 3.9: 0 to 48 B) and stay
 # candidates: they are the fastest measured on an H200 with Triton 3.6, spills included
 # (benchmarks/results/2026-12-02-probe-scan-configs-h200.jsonl)
+# The narrow backward tiles at N = 64 spill a few tens of bytes (2-wide on 4 warps: 40 B with 3.7.1,
+# 68 B with 3.9; 4-wide on 8 warps: 24 and 12 B), where the N = 16 candidates would spill 3.7 to
+# 33 KB there (they are pruned at N = 64: selective_scan._fitting)
 SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
                  "selective_scan _bwd_kernel BLOCK_D=8 warps=2": 576,
                  "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
-                 "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256}
+                 "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
+                 "selective_scan _bwd_kernel N=64 BLOCK_D=2 warps=4": 96,
+                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 64}
 
 
 def elementwise_settings():
@@ -213,17 +218,20 @@ def elementwise_settings():
             ce = dict(flags, BLOCK_T=st["BLOCK_T"], BLOCK_D=st["BLOCK_D"])
             yield (f"conv {kernel.__name__} BLOCK_T={st['BLOCK_T']} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']}",
                    kernel, types(kernel, ce), ce, st["num_warps"], 3)
-    flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=16)
-    fixed = scan._config(training=True)
-    for kind, kernel, configs, extra in (
-            ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
-            ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
-        settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"])} | {(c.kwargs["BLOCK_D"], c.num_warps)
-                                                                         for c in configs}
-        for block_d, warps in sorted(settings):
-            ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
-            yield (f"selective_scan {kernel.__name__} BLOCK_D={block_d} warps={warps}", kernel, types(kernel, ce),
-                   ce, warps, 3)
+    for block_n in (16, 64):  # Mamba-1's d_state 16, and 64 (mqar-mamba1-l)
+        flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n)
+        fixed = scan._config(training=True, block_n=block_n)
+        for kind, kernel, configs, extra in (
+                ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
+                ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
+            kept = scan._fitting(configs, fixed["block_t"], block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
+            settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"])} | {(c.kwargs["BLOCK_D"], c.num_warps)
+                                                                             for c in kept}
+            for block_d, warps in sorted(settings):
+                ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
+                label = "" if block_n == 16 else f"N={block_n} "
+                yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}", kernel,
+                       types(kernel, ce), ce, warps, 3)
     yield from norm_settings()
 
 

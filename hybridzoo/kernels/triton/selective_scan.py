@@ -38,7 +38,7 @@ from hybridzoo.kernels.triton import launch
 __all__ = ["selective_scan"]
 
 
-def _config(training: bool) -> dict:
+def _config(training: bool, block_n: int = 16) -> dict:
     """Fixed block sizes: tiny under the interpreter (``TRITON_INTERPRET=1``), else GPU sizes.
 
     A forward that will be differentiated shares ``block_t`` with its backward (which restarts
@@ -49,22 +49,66 @@ def _config(training: bool) -> dict:
     4-warp forward and 32-wide 8-warp backward used before) and Mamba-130m's B8 T2048 D1536 N16
     (1.22 ms, 6.64 ms). Narrow channel blocks with few warps: more programs in flight. On a GPU
     the channel block and warps are autotuned (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these
-    are the settings with autotuning off."""
+    are the settings with autotuning off.
+
+    A wider state (``block_n``, the padded N, above 16) widens every ``[BLOCK_T, BLOCK_D,
+    BLOCK_N]`` tile: a setting whose tile puts more elements on a thread than
+    :data:`TILE_PER_THREAD` allows is replaced by the first candidate that fits (:func:`_fitting`);
+    the measured settings stand wherever they fit (N up to 16)."""
     if launch.interpret():
         return dict(block_t=8, fwd_block_d=8, fwd_warps=1, bwd_block_d=8, bwd_warps=1)
     if not training:
-        return dict(block_t=32, fwd_block_d=16, fwd_warps=8)
-    return dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
+        cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8)
+    else:
+        cfg = dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
+    for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
+        if f"{kind}_block_d" in cfg:
+            if _per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], block_n, cfg[f"{kind}_warps"]) > TILE_PER_THREAD[kind][1]:
+                chosen = _fitting(configs, cfg["block_t"], block_n, TILE_PER_THREAD[kind])[0]
+                cfg[f"{kind}_block_d"], cfg[f"{kind}_warps"] = chosen.kwargs["BLOCK_D"], chosen.num_warps
+    return cfg
 
 
 # Autotuned channel blocks and warps (the time block is fixed by _config: the backward restarts
-# from the forward's per-block states): the fastest few of the probe at both measured shapes. The
-# forward candidates compile for sm_90 without register spills at N = 16; the backward candidates
-# spill 180 to 540 B per thread with Triton 3.6 (0 to 48 B with 3.7.1 and 3.9) and were the fastest
-# measured all the same (scripts/kernel_resources.py --spills and its SPILL_ALLOWED, checked by a
-# CPU test).
-FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 2), (8, 4), (16, 8), (16, 4))]
-BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 1), (8, 2), (16, 4), (32, 8))]
+# from the forward's per-block states): the fastest few of the probe at both measured shapes, and
+# narrower tiles on more warps for wider states. At N = 16 the forward candidates compile for
+# sm_90 without register spills; the probe's backward candidates spill 180 to 540 B per thread
+# with Triton 3.6 (0 to 48 B with 3.7.1 and 3.9) and were the fastest measured all the same
+# (scripts/kernel_resources.py --spills and its SPILL_ALLOWED, checked by a CPU test). At N = 64
+# (Mamba-1 with d_state 64, as mqar-mamba1-l) those backward tiles hold 128 elements a thread and
+# spilled 3.7 to 33 KB per thread (Triton 3.7.1); the 2-wide tile on 8 warps holds 8 and does not
+# spill, the 4-wide on 8 and the 2-wide on 4 hold 16 and spill 12 to 68 B (3.7.1 and 3.9).
+FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 2), (8, 4), (16, 8), (16, 4), (4, 8))]
+BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
+               for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8), (2, 4))]
+# Tile elements ([BLOCK_T, BLOCK_D, BLOCK_N] over 32 * num_warps threads) a setting may put on a
+# thread, (fewest, most): the backward keeps about twice as many tiles live as the forward; fewer
+# than 8 leaves threads idle (at N = 16 this keeps exactly the probe's candidates).
+TILE_PER_THREAD = {"fwd": (8, 64), "bwd": (8, 32)}
+
+
+def _per_thread(block_t: int, block_d: int, block_n: int, warps: int) -> int:
+    return block_t * block_d * block_n // (32 * warps)
+
+
+def _fitting(configs: list, block_t: int, block_n: int, bounds: tuple[int, int]) -> list:
+    """The ``configs`` whose tile puts between ``bounds`` elements on a thread, in their order;
+    if none does (a small state), those under the upper bound; if none is (a wide state), the one
+    that puts the fewest (never an empty list)."""
+    load = lambda c: _per_thread(block_t, c.kwargs["BLOCK_D"], block_n, c.num_warps)  # noqa: E731
+    return ([c for c in configs if bounds[0] <= load(c) <= bounds[1]]
+            or [c for c in configs if load(c) <= bounds[1]] or [min(configs, key=load)])
+
+
+def _prune(kind: str):
+    """The autotuner's ``early_config_prune`` of the ``kind`` kernel: :func:`_fitting` at the
+    launch's ``BLOCK_T`` and ``BLOCK_N``."""
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        return _fitting(list(configs), args["BLOCK_T"], args["BLOCK_N"], TILE_PER_THREAD[kind])
+    return prune
+
+
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
 
@@ -267,9 +311,10 @@ def _grid_shape(batch, groups, per_group):
     return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]))
 
 
-_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"])
+_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"], prune=_prune("fwd"))
 # dB and dC start at zero and gather atomic adds: restored between autotuning trials
-_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT"], restore=("dB_ptr", "dC_ptr"))
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT"], prune=_prune("bwd"),
+                       restore=("dB_ptr", "dC_ptr"))
 
 
 class _SelectiveScanFn(torch.autograd.Function):
@@ -278,12 +323,12 @@ class _SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state):
         store_ckpt = any(ctx.needs_input_grad)
-        cfg = _config(training=store_ckpt)
         batch, length, dm = u.shape
         groups, n = B.shape[2], A.shape[1]
         per_group = dm // groups
-        n_blocks = triton.cdiv(length, cfg["block_t"])
         block_n = max(triton.next_power_of_2(n), 2)
+        cfg = _config(training=store_ckpt, block_n=block_n)
+        n_blocks = triton.cdiv(length, cfg["block_t"])
         y = launch.empty((batch, length, dm), u.dtype, u.device)
         final = launch.empty((batch, dm, n), torch.float32, u.device)
         ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)

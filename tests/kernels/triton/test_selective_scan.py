@@ -235,17 +235,19 @@ def test_gpu_full_shape_backward_no_nan(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [16, 64])
 @pytest.mark.parametrize("autotune", [False, True], ids=["each-setting", "autotuner"])
-def test_gpu_every_launch_setting(monkeypatch, autotune):
+def test_gpu_every_launch_setting(monkeypatch, autotune, n):
     """Each forward and backward setting the autotuner may pick (i-th of each together), and the
-    autotuner itself (its trials must not add to dB / dC twice), bf16, all gradients."""
+    autotuner itself (its trials must not add to dB / dC twice), bf16, all gradients; at d_state
+    16 and 64 (where the autotuner keeps the narrow tiles)."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     _poison(monkeypatch)
     configs_of = {scan._fwd: scan.FWD_CONFIGS, scan._bwd: scan.BWD_CONFIGS}
     for i in tuning_rounds(monkeypatch, configs_of, each=not autotune):
-        x = _inputs(batch=2, length=999, dm=96, n=16, groups=2, seed=15, dtype=torch.bfloat16, device="cuda",
+        x = _inputs(batch=2, length=999, dm=96, n=n, groups=2, seed=15, dtype=torch.bfloat16, device="cuda",
                     mamba_init=True)
         x["A"] = x["A"].float()
         x["initial_state"] = x["initial_state"].float()
@@ -288,3 +290,38 @@ def test_half_precision_inputs_match_the_float64_loop(dtype):
         grad = tri_in[name].grad
         assert grad is not None and grad.dtype == tri_in[name].dtype and not grad.isnan().any(), name
         assert rel_err(grad, ref_in[name].grad) <= 1e-2, (name, rel_err(grad, ref_in[name].grad))
+
+
+def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
+    """The selective scan's launch settings (no GPU needed): up to d_state 16 the measured fixed
+    settings and the autotuner's four candidates of each kernel stand; for a wider state every
+    fixed setting and every candidate the autotuner keeps puts at most 64 (forward) / 32
+    (backward) tile elements on a thread, where the N = 16 settings would put 128 and more at
+    N = 64 (they spilled kilobytes per thread on sm_90), and the candidates are never empty."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    monkeypatch.setattr(scan.launch, "interpret", lambda: False)  # the GPU settings, not the interpreter's
+    pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
+    for n in (2, 4, 8, 16):
+        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
+        assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8)
+    for kind, configs in (("fwd", scan.FWD_CONFIGS), ("bwd", scan.BWD_CONFIGS)):
+        kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
+        assert pairs(kept) == pairs(configs[:4])
+    for n in (32, 64, 128, 256, 1024):
+        for training in (True, False):
+            cfg = scan._config(training, n)
+            for kind in ("fwd", "bwd") if training else ("fwd",):
+                load = scan._per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], n, cfg[f"{kind}_warps"])
+                configs = scan.FWD_CONFIGS if kind == "fwd" else scan.BWD_CONFIGS
+                least = min(scan._per_thread(cfg["block_t"], c.kwargs["BLOCK_D"], n, c.num_warps) for c in configs)
+                assert load <= scan.TILE_PER_THREAD[kind][1] or load == least, (n, training, kind, load)
+        for kind, configs in (("fwd", scan.FWD_CONFIGS), ("bwd", scan.BWD_CONFIGS)):
+            prune = scan._prune(kind)
+            kept = prune(configs, {}, BLOCK_T=16, BLOCK_N=n)
+            assert kept, (n, kind)
+            loads = [scan._per_thread(16, c.kwargs["BLOCK_D"], n, c.num_warps) for c in kept]
+            assert all(x <= scan.TILE_PER_THREAD[kind][1] for x in loads) or len(kept) == 1, (n, kind, loads)
+    assert scan._per_thread(16, 4, 64, 1) == 128  # the N = 16 backward setting at N = 64
+    assert pairs(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=64)) == [(2, 8), (4, 8), (2, 4)]
