@@ -135,7 +135,8 @@ class TrainStep:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
+            # thread_local: other runs of the process (--streams) may launch work meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.static_loss = self._eager(self.static_index)
         except Exception as error:  # an op that cannot be captured: eager from here on
             self.fallback = f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"

@@ -58,6 +58,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ from benchmarks.mqar_report import collect, paired_table, plot_results, results_
 
 __all__ = ["KINDS", "IMPLS", "SETTINGS", "NEEDS_CUDA", "REFERENCE_NAMES", "ReferenceMixer", "reference_skip_reason",
            "state_size", "mqar_recipes", "build_model", "batches_of", "evaluate", "train_run", "quick_autotuning",
-           "plan", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
+           "plan", "run_streams", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
            "merged_setting", "parse_args", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 CHUNKED = ("mamba2", "gla", "retnet", "gdn")
 WEIGHT_DECAY, BETAS, MIN_LR_RATIO, CLIP = 0.1, (0.9, 0.95), 0.1, 1.0
+# Runs that share a process (--streams) hold this while they build a model, step eagerly (Triton
+# compiles and tunes there), capture their step, or evaluate; only graph replays run side by side.
+_LANE_LOCK = threading.RLock()
 
 
 # ---- state size --------------------------------------------------------------------------------
@@ -213,55 +217,66 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(job.get("threads", 1))
     row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
     row["commit"] = job.get("commit")
-    model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
-    model.to(device)
-    row["state_size"] = state_size(config, spec["seq_len"])
-    row["parameters"] = sum(p.numel() for p in model.parameters())
-    cuda = device.startswith("cuda")
-    graph = cuda and job.get("cuda_graph", True)
-    optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), job["lr"], BETAS, device, graph)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
-    order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
-    batch, curve, best, since_best = spec["batch_size"], [], -1.0, 0
-    start, step, position, earlier_seconds = time.perf_counter(), 0, 0, 0.0
-    checkpoint = Path(job["path"]).with_suffix(".resume.pt") if job.get("path") else None
-    if checkpoint is not None and checkpoint.is_file():  # a run cut by --run-seconds goes on where it stopped
-        saved = torch.load(checkpoint, map_location=device, weights_only=False)
-        if saved["schedule"] != _schedule(spec):
-            raise ValueError(f"mqar: {checkpoint} was cut from a run with {saved['schedule']}, not "
-                             f"{_schedule(spec)}; delete it to start the run again")
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        order, position, step, curve = saved["order"], saved["position"], saved["step"], saved["curve"]
-        best, since_best, earlier_seconds = saved["best"], saved["since_best"], saved["seconds"]
-        row["first_loss"] = saved["first_loss"]
-        torch.set_rng_state(saved["rng"])
-        if cuda and saved.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(saved["cuda_rng"])
-        row["resumed_at"] = step
-    # The training set and the epoch's order live on the device: a step's batch is gathered there.
-    # A copy from pageable host memory each step would wait for the GPU to finish the previous
-    # step, so the host could never run ahead of these launch-bound models.
-    train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
-    train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph,
-                           scored_only=True)
+    lock = _LANE_LOCK  # runs sharing this process (--streams) take turns at everything but replays
+    with lock:
+        model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
+        # the run's own generator for each new epoch's order, from where the seeded stream stands
+        # after the model's draws (as torch's global stream stood there when a process ran one run)
+        epoch_rng = torch.Generator()
+        epoch_rng.set_state(torch.get_rng_state())
+        model.to(device)
+        row["state_size"] = state_size(config, spec["seq_len"])
+        row["parameters"] = sum(p.numel() for p in model.parameters())
+        cuda = device.startswith("cuda")
+        graph = cuda and job.get("cuda_graph", True)
+        optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), job["lr"], BETAS, device, graph)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+        train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
+        order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
+        batch, curve, best, since_best = spec["batch_size"], [], -1.0, 0
+        start, step, position, earlier_seconds = time.perf_counter(), 0, 0, 0.0
+        checkpoint = Path(job["path"]).with_suffix(".resume.pt") if job.get("path") else None
+        if checkpoint is not None and checkpoint.is_file():  # a run cut by --run-seconds goes on where it stopped
+            saved = torch.load(checkpoint, map_location=device, weights_only=False)
+            if saved["schedule"] != _schedule(spec):
+                raise ValueError(f"mqar: {checkpoint} was cut from a run with {saved['schedule']}, not "
+                                 f"{_schedule(spec)}; delete it to start the run again")
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            order, position, step, curve = saved["order"], saved["position"], saved["step"], saved["curve"]
+            best, since_best, earlier_seconds = saved["best"], saved["since_best"], saved["seconds"]
+            row["first_loss"] = saved["first_loss"]
+            epoch_rng.set_state(saved["rng"])
+            if cuda and saved.get("cuda_rng") is not None:
+                torch.cuda.set_rng_state(saved["cuda_rng"])
+            row["resumed_at"] = step
+        # The training set and the epoch's order live on the device: a step's batch is gathered there.
+        # A copy from pageable host memory each step would wait for the GPU to finish the previous
+        # step, so the host could never run ahead of these launch-bound models.
+        train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
+        train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph,
+                               scored_only=True)
     while step < spec["max_steps"]:
         if position + batch > order.numel():  # a new epoch: a new order (drawn on the CPU, as before)
-            order, position = order[torch.randperm(order.numel())], 0
+            order, position = order[torch.randperm(order.numel(), generator=epoch_rng)], 0
             order_on_device = order.to(device)
         index = order_on_device[position:position + batch]
         position += batch
-        loss = train_step(index)
+        if train_step.captured is None:  # eager steps (Triton compiles and tunes in them) and the capture
+            with lock:
+                loss = train_step(index)
+        else:
+            loss = train_step(index)
         scheduler.step()
         step += 1
         if step == 1:  # paired rows (same seed, same weights) must start from the same loss
             row["first_loss"] = round(loss.item(), 6)
         if step % spec["eval_every"] == 0 or step == spec["max_steps"]:
-            accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
+            with lock:
+                accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
             curve.append({"step": step, "train_loss": round(loss.item(), 5), "val_loss": round(val_loss, 5),
                           "accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)})
             if not math.isfinite(val_loss):
@@ -278,7 +293,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                                     order=order, position=position, step=step, curve=curve, best=best,
                                     since_best=since_best, first_loss=row.get("first_loss"),
                                     seconds=earlier_seconds + time.perf_counter() - start,
-                                    rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None),
+                                    rng=epoch_rng.get_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None),
                                checkpoint)
                     row["resume_from"] = str(checkpoint)
                 break
@@ -344,6 +359,28 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     path.write_text(json.dumps(row) + "\n")
     print(f"mqar: {row['id']}: {row['status']} accuracy {row.get('accuracy')} steps {row.get('steps')}", flush=True)
     return row
+
+
+def _run_on_stream(job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_run_job` on a CUDA stream of its own (a thread of :func:`run_streams`)."""
+    if not job["device"].startswith("cuda"):
+        return _run_job(job)
+    import torch
+
+    torch.cuda.set_device(torch.device(job["device"]))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _run_job(job)
+
+
+def run_streams(jobs: list[dict[str, Any]], streams: int) -> list[dict[str, Any]]:
+    """Run ``jobs`` in one process, up to ``streams`` at once, each in a thread on its own CUDA
+    stream. A tiny model's captured step leaves most of the GPU idle, and processes sharing a GPU
+    take turns on it; streams of one process run their kernels side by side. Every run draws
+    from its own generators, so its row equals the one it gets alone (tested on the CPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, streams)) as pool:
+        return list(pool.map(_run_on_stream, jobs))
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -455,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "invocation")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--workers", type=int, default=1, help="processes side by side (spread over the GPUs)")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="runs side by side in each worker process, each on its own CUDA stream (their "
+                             "captured steps overlap on the GPU; see run_streams)")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                         help="run every CUDA training step eagerly (default: capture the step as a CUDA graph "
                              "after 3 eager steps, checked against an eager step; see benchmarks/graph_step.py)")
@@ -513,7 +553,18 @@ def main(argv: list[str] | None = None) -> int:
     results["settings"][args.setting] = merged_setting(results["settings"].get(args.setting), spec, args, device,
                                                        skipped, sys.argv[1:] if argv is None else argv)
     print(f"mqar: {len(jobs)} runs to do on {device} with {args.workers} worker(s)", flush=True)
-    if args.workers <= 1:
+    if args.streams > 1:
+        groups = [jobs[i::max(1, args.workers)] for i in range(max(1, args.workers))]
+        if args.workers <= 1:
+            run_streams(jobs, args.streams)
+        else:
+            import functools
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
+                for _ in pool.imap_unordered(functools.partial(run_streams, streams=args.streams), groups):
+                    pass
+    elif args.workers <= 1:
         for job in jobs:
             _run_job(job)
     else:

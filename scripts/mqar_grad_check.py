@@ -1,0 +1,181 @@
+"""Train one MQAR run and, at chosen steps, compare its gradient under every kernel path.
+
+A run that stalls on the GPU but learns on the CPU (``mqar-gdn-l`` at lr 1e-2) points at a kernel
+path. This script trains the run as ``benchmarks.mqar`` does (same model, data, optimizer,
+schedule and CUDA-graph step), and at each ``--check`` step computes the loss and gradient of
+one fixed held-out batch (the first ``batch_size`` examples) with copies of the same weights:
+
+============ =============================================================
+variant      path
+============ =============================================================
+auto-bf16    the training path: Triton kernels under bf16 autocast
+auto-fp32    Triton kernels, float32, no autocast
+ref-bf16     reference kernels under bf16 autocast
+ref-fp32     reference kernels, float32
+ref-fp64     reference kernels, float64: the spec every path is measured by
+============ =============================================================
+
+For each variant: the loss, the gradient norm, and the relative error of the whole gradient and
+of its worst parameter against ``ref-fp64``. The weights at each check go to ``states.pt``.
+
+    python scripts/mqar_grad_check.py --recipe mqar-gdn-l --lr 1e-2 --seed 0 --steps 600 \\
+        --check 0,50,100,200,400,600 --out /tmp/gdn-check
+
+``--train-backend reference`` / ``--train-dtype fp32`` train with another path instead (for a
+whole run: ``--steps 3000 --check ''`` reports the curve and accuracy every 250 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"auto-bf16": ("auto", "bf16"), "auto-fp32": ("auto", "fp32"), "ref-bf16": ("reference", "bf16"),
+            "ref-fp32": ("reference", "fp32"), "ref-fp64": ("reference", "fp64")}
+
+
+def _model_copy(model, config, backend: str, dtype: str):
+    import torch
+
+    from hybridzoo import HybridLM
+
+    cfg = copy.deepcopy(config)
+    cfg.backend = backend
+    other = HybridLM(cfg).to(next(model.parameters()).device)
+    other.load_state_dict(model.state_dict())
+    return other.double() if dtype == "fp64" else other.float()
+
+
+def gradients(model, config, ids, labels, device: str) -> dict:
+    """Loss and gradient of ``(ids, labels)`` under every variant; errors against ref-fp64."""
+    import torch
+
+    from hybridzoo.zoo.model import lm_loss, shift_labels
+
+    results, grads = {}, {}
+    for name, (backend, dtype) in VARIANTS.items():
+        other = _model_copy(model, config, backend, dtype)
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" and device.startswith("cuda")
+                    else torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
+                    else contextlib.nullcontext())
+        try:
+            with autocast:
+                logits, _ = other(ids)
+            loss = lm_loss(logits.float() if dtype != "fp64" else logits, shift_labels(labels))
+            loss.backward()
+        except Exception as error:  # a path that fails is a finding, not the end of the check
+            results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            continue
+        grads[name] = {n: p.grad.detach().double() for n, p in other.named_parameters() if p.grad is not None}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads[name].values()))
+        results[name] = {"loss": float(loss.detach()), "grad_norm": norm}
+    spec = grads.get("ref-fp64")
+    for name, g in grads.items():
+        if spec is None or name == "ref-fp64":
+            continue
+        diff = math.sqrt(sum(float(((g[n] - spec[n]) ** 2).sum()) for n in spec))
+        total = math.sqrt(sum(float((spec[n] ** 2).sum()) for n in spec))
+        worst = max(((float((g[n] - spec[n]).norm() / spec[n].norm().clamp_min(1e-30)), n) for n in spec))
+        results[name].update(grad_rel_err=diff / max(total, 1e-30), worst_param_rel_err=worst[0], worst_param=worst[1])
+    return results
+
+
+def mixer_stats(model) -> dict:
+    """Ranges of every mixer parameter (max |w|) and, where present, of the decay parameters."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".mixer." in name:
+            out[name] = round(float(p.detach().abs().max()), 5)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from benchmarks.graph_step import TrainStep, make_optimizer
+    from benchmarks.mqar import BETAS, CLIP, MIN_LR_RATIO, SETTINGS, WEIGHT_DECAY, batches_of, build_model, evaluate
+    from hybridzoo.training.module import WarmupCosine, param_groups
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="mqar-gdn-l")
+    parser.add_argument("--setting", default="gpu", choices=sorted(SETTINGS))
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=600, help="steps to train")
+    parser.add_argument("--max-steps", dest="max_steps", type=int, default=3000, help="the schedule's length")
+    parser.add_argument("--check", default="0,50,100,200,400,600", help="steps at which to compare gradients")
+    parser.add_argument("--train-backend", dest="train_backend", default="auto")
+    parser.add_argument("--train-dtype", dest="train_dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    checks = {int(s) for s in args.check.split(",") if s}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
+    spec = dict(SETTINGS[args.setting], max_steps=args.max_steps)
+    model, config = build_model(args.recipe, "hybridzoo", spec, args.seed)
+    epoch_rng = torch.Generator()
+    epoch_rng.set_state(torch.get_rng_state())
+    if args.train_backend != "auto":
+        model = _model_copy(model, config, args.train_backend, "fp32")
+    model.to(device)
+    graph = cuda and args.cuda_graph
+    optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), args.lr, BETAS, device, graph)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
+    train_ids, train_labels, val_ids, val_labels = batches_of(spec, args.seed)
+    order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(args.seed))
+    batch = spec["batch_size"]
+    dtype = torch.bfloat16 if (cuda and args.train_dtype == "bf16") else None
+    step_fn = TrainStep(model, optimizer, train_ids.to(device), train_labels.to(device), CLIP, dtype, graph,
+                        scored_only=True)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dtype is not None else contextlib.nullcontext
+    probe_ids, probe_labels = val_ids[:batch].to(device), val_labels[:batch].to(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log, states, order_dev, position, start = [], {}, order.to(device), 0, time.perf_counter()
+    for step in range(args.steps + 1):
+        if step in checks:
+            entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device),
+                     "mixer_max_abs": mixer_stats(model)}
+            states[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            log.append(entry)
+            row = "  ".join(f"{n} {v.get('loss', float('nan')):.4f}/{v.get('grad_norm', float('nan')):.3g}"
+                            f"/{v.get('grad_rel_err', 0):.2e}" for n, v in entry["variants"].items())
+            print(f"check {step}: {row}", flush=True)
+        if step == args.steps:
+            break
+        if position + batch > order.numel():
+            order, position = order[torch.randperm(order.numel(), generator=epoch_rng)], 0
+            order_dev = order.to(device)
+        loss = step_fn(order_dev[position:position + batch])
+        position += batch
+        scheduler.step()
+        done = step + 1
+        if done % 25 == 0:
+            log.append({"step": done, "train_loss": float(loss)})
+        if done % 250 == 0 or done == args.steps:
+            accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
+            log.append({"step": done, "accuracy": accuracy, "val_loss": val_loss,
+                        "seconds": round(time.perf_counter() - start, 1)})
+            print(f"step {done}: loss {float(loss):.4f} val {val_loss:.4f} accuracy {accuracy:.4f}", flush=True)
+    meta = {"recipe": args.recipe, "setting": args.setting, "lr": args.lr, "seed": args.seed, "steps": args.steps,
+            "max_steps": args.max_steps, "train_backend": args.train_backend, "train_dtype": args.train_dtype,
+            "cuda_graph": step_fn.captured is not None, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "torch": torch.__version__}
+    (args.out / "grad_check.json").write_text(json.dumps({"meta": meta, "log": log}, indent=1))
+    if states:
+        torch.save(states, args.out / "states.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
