@@ -279,6 +279,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                 accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
             curve.append({"step": step, "train_loss": round(loss.item(), 5), "val_loss": round(val_loss, 5),
                           "accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)})
+            print(f"mqar: {row['id']}: step {step} accuracy {accuracy:.4f} val_loss {val_loss:.4f} "
+                  f"({curve[-1]['seconds']} s)", flush=True)
             if not math.isfinite(val_loss):
                 break
             best, since_best = (accuracy, 0) if accuracy > best else (best, since_best + 1)
@@ -495,6 +497,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=1,
                         help="runs side by side in each worker process, each on its own CUDA stream (their "
                              "captured steps overlap on the GPU; see run_streams)")
+    parser.add_argument("--traceback-after", dest="traceback_after", type=float, default=None,
+                        help="print every thread's Python stack to stderr after this many seconds (for a sweep "
+                             "that overruns its time)")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                         help="run every CUDA training step eagerly (default: capture the step as a CUDA graph "
                              "after 3 eager steps, checked against an eager step; see benchmarks/graph_step.py)")
@@ -517,6 +522,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.traceback_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.traceback_after, exit=False)
     name = args.name or f"{datetime.date.today().isoformat()}-mqar"
     runs_dir = args.out_dir / f"{name}-runs"
     json_path = args.out_dir / f"{name}.json"
