@@ -5,11 +5,13 @@ each, so its time is the host's launches, and with several runs sharing one GPU,
 process's launches leave the GPU idle. Captured once as a CUDA graph (batch gather, forward under
 bf16 autocast, loss, backward, gradient clipping and AdamW), a step is one launch.
 
-The graph is checked before it is used: the step after the warm-up steps is run eagerly from a
-snapshot of the weights and optimizer state, the snapshot is restored, the graph is captured and
-replayed for the same batch, and the two losses and every parameter are compared (``check``). A
-capture that fails (an op that waits on the host) falls back to eager steps and says why
-(``fallback``); nothing of the run is lost.
+The graph is checked before it is used: the step after the warm-up steps is run eagerly twice
+from a snapshot of the weights and optimizer state, the snapshot is restored, the graph is captured
+and replayed for the same batch, and the two losses and every parameter are compared (``check``):
+the replay may differ from the eager step by ``tolerance`` or by ten times what the two eager
+steps differ (kernels that sum with atomics vary in the last bits from run to run, more so with
+other runs on the GPU). A capture that fails (an op that waits on the host) or a check that fails
+falls back to eager steps and says why (``fallback``); nothing of the run is lost.
 
 With ``scored_only`` the LM head and the loss run at the scored positions alone (MQAR scores the
 token after each query key: 16 of 256): the same loss and gradients, since the other positions
@@ -124,12 +126,31 @@ class TrainStep:
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return tensors
 
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(self._state(), saved):
+            tensor.copy_(value)
+
+    def _param_diff(self, expected: list[torch.Tensor]) -> tuple[float, str]:
+        """The largest difference of a parameter from ``expected`` (parameters first), relative
+        to that parameter's largest magnitude, and its name."""
+        worst, where = 0.0, ""
+        for (name, p), value in zip(self.model.named_parameters(), expected):
+            diff = float((p.detach() - value).abs().max() / value.abs().max().clamp_min(1e-12))
+            if diff > worst:
+                worst, where = diff, name
+        return worst, where
+
     def _capture_and_check(self, index: torch.Tensor) -> torch.Tensor:
         snapshot = [t.clone() for t in self._state()]
+        # the same eager step twice: kernels that sum with atomics differ from run to run in
+        # the last bits, and the replay is held to that difference (or ``tolerance``)
+        self._eager(index)
+        second = [p.detach().clone() for p in self.model.parameters()]
+        self._restore(snapshot)
         eager_loss = self._eager(index).clone()
         eager_state = [t.clone() for t in self._state()]  # parameters first, then the optimizer's state
-        for tensor, saved in zip(self._state(), snapshot):
-            tensor.copy_(saved)
+        noise, _ = self._param_diff(second)
+        self._restore(snapshot)
         self.optimizer.zero_grad(set_to_none=True)
         self.static_index = index.clone()
         graph = torch.cuda.CUDAGraph()
@@ -146,15 +167,12 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             return self._eager(index)
         graph.replay()
-        worst, where = 0.0, ""
-        for (name, p), expected in zip(self.model.named_parameters(), eager_state):
-            scale = expected.abs().max().clamp_min(1e-12)
-            diff = float((p.detach() - expected).abs().max() / scale)
-            if diff > worst:
-                worst, where = diff, name
+        worst, where = self._param_diff(eager_state)
         loss_diff = abs(float(self.static_loss) - float(eager_loss)) / max(abs(float(eager_loss)), 1e-12)
+        bound = max(self.tolerance, 10 * noise)
         self.check = {"step": self.calls, "loss_rel_diff": loss_diff, "param_rel_diff": worst,
-                      "param": where, "ok": loss_diff <= self.tolerance and worst <= self.tolerance}
+                      "param": where, "eager_rel_diff": noise,
+                      "ok": loss_diff <= self.tolerance and worst <= bound}
         if self.check["ok"]:
             self.captured = graph
             return self.static_loss

@@ -265,8 +265,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
             order_on_device = order.to(device)
         index = order_on_device[position:position + batch]
         position += batch
-        if train_step.captured is None:  # eager steps (Triton compiles and tunes in them) and the capture
-            with lock:
+        if train_step.captured is None and train_step.fallback is None:  # warm-up (Triton compiles and
+            with lock:                                                    # tunes there) and capture
                 loss = train_step(index)
         else:
             loss = train_step(index)
@@ -357,7 +357,9 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
         row = train_run(job)
     except Exception as error:  # one failed run must not lose the others
         row = {k: job.get(k, "") for k in ("id", "setting", "recipe", "variant", "kind", "size", "impl", "lr", "seed")}
-        row.update(status="failed", error=f"{type(error).__name__}: {error}")
+        import traceback
+
+        row.update(status="failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc()[-3000:])
     path.write_text(json.dumps(row) + "\n")
     print(f"mqar: {row['id']}: {row['status']} accuracy {row.get('accuracy')} steps {row.get('steps')}", flush=True)
     return row

@@ -16,7 +16,8 @@ ref-fp64     reference kernels, float64: the spec every path is measured by
 ============ =============================================================
 
 For each variant: the loss, the gradient norm, and the relative error of the whole gradient and
-of its worst parameter against ``ref-fp64``. The weights at each check go to ``states.pt``.
+of its worst parameter against ``ref-fp64``. The weights at the ``--save-states`` steps go to
+``states.pt``.
 
     python scripts/mqar_grad_check.py --recipe mqar-gdn-l --lr 1e-2 --seed 0 --steps 600 \\
         --check 0,50,100,200,400,600 --out /tmp/gdn-check
@@ -84,8 +85,12 @@ def gradients(model, config, ids, labels, device: str) -> dict:
             continue
         diff = math.sqrt(sum(float(((g[n] - spec[n]) ** 2).sum()) for n in spec))
         total = math.sqrt(sum(float((spec[n] ** 2).sum()) for n in spec))
-        worst = max(((float((g[n] - spec[n]).norm() / spec[n].norm().clamp_min(1e-30)), n) for n in spec))
-        results[name].update(grad_rel_err=diff / max(total, 1e-30), worst_param_rel_err=worst[0], worst_param=worst[1])
+        # each parameter's error, relative to the whole gradient's norm: where the error is
+        per_param = sorted(((float((g[n] - spec[n]).norm()) / max(total, 1e-30), n) for n in spec), reverse=True)
+        results[name].update(grad_rel_err=diff / max(total, 1e-30),
+                             largest_errors={n: round(e, 6) for e, n in per_param[:5]},
+                             largest_true_grads={n: round(float(spec[n].norm()) / max(total, 1e-30), 6)
+                                                 for _, n in per_param[:5]})
     return results
 
 
@@ -113,12 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="steps to train")
     parser.add_argument("--max-steps", dest="max_steps", type=int, default=3000, help="the schedule's length")
     parser.add_argument("--check", default="0,50,100,200,400,600", help="steps at which to compare gradients")
+    parser.add_argument("--save-states", dest="save_states", default="",
+                        help="check steps whose weights go to states.pt (default: none)")
     parser.add_argument("--train-backend", dest="train_backend", default="auto")
     parser.add_argument("--train-dtype", dest="train_dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     checks = {int(s) for s in args.check.split(",") if s}
+    saves = {int(s) for s in args.save_states.split(",") if s}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     spec = dict(SETTINGS[args.setting], max_steps=args.max_steps)
@@ -146,11 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         if step in checks:
             entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device),
                      "mixer_max_abs": mixer_stats(model)}
-            states[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            if step in saves:
+                states[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             log.append(entry)
             row = "  ".join(f"{n} {v.get('loss', float('nan')):.4f}/{v.get('grad_norm', float('nan')):.3g}"
                             f"/{v.get('grad_rel_err', 0):.2e}" for n, v in entry["variants"].items())
             print(f"check {step}: {row}", flush=True)
+            bf16 = entry["variants"].get("auto-bf16", {})
+            if bf16.get("grad_rel_err", 0) > 0.1:
+                print(f"check {step}: auto-bf16 largest errors {bf16['largest_errors']} "
+                      f"(true gradient shares {bf16['largest_true_grads']})", flush=True)
         if step == args.steps:
             break
         if position + batch > order.numel():
