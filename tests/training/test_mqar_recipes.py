@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -457,3 +458,28 @@ def test_runs_sharing_a_process_on_streams_equal_runs_alone(tmp_path, capsys):
             assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in expected.items()
                                                                          if k != "seconds"}
     capsys.readouterr()
+
+
+def test_grad_check_script_compares_every_path_with_float64(tmp_path):
+    """``scripts/mqar_grad_check.py`` on the CPU: float32 paths give the float64 gradient to 1e-4,
+    the bf16 paths differ from it (they are measured, not copied), the run's weights are saved
+    only at ``--save-states`` steps, and the accuracy is logged."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "scripts" / "mqar_grad_check.py"), "--setting", "cpu-smoke",
+                    "--recipe", "mqar-gdn-s", "--steps", "2", "--max-steps", "12", "--check", "0,2",
+                    "--save-states", "2", "--out", str(tmp_path)], check=True, capture_output=True, cwd=root)
+    result = json.loads((tmp_path / "grad_check.json").read_text())
+    checks = [e for e in result["log"] if "variants" in e]
+    assert [e["step"] for e in checks] == [0, 2]
+    for entry in checks:
+        variants = entry["variants"]
+        assert set(variants) == {"auto-bf16", "auto-fp32", "ref-bf16", "ref-fp32", "ref-fp64"}
+        for name in ("auto-fp32", "ref-fp32"):
+            assert variants[name]["grad_rel_err"] < 1e-4
+        for name in ("auto-bf16", "ref-bf16"):
+            assert 1e-4 < variants[name]["grad_rel_err"] < 0.5
+        assert abs(variants["auto-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
+    assert list(torch.load(tmp_path / "states.pt")) == [2]
+    assert any("accuracy" in e for e in result["log"])
