@@ -67,7 +67,7 @@ from benchmarks.mqar_reference import KINDS, NEEDS_CUDA, REFERENCE_NAMES, Refere
 from benchmarks.mqar_report import collect, paired_table, plot_results, results_table, summarize, write_outputs
 
 __all__ = ["KINDS", "IMPLS", "SETTINGS", "NEEDS_CUDA", "REFERENCE_NAMES", "ReferenceMixer", "reference_skip_reason",
-           "state_size", "mqar_recipes", "build_model", "batches_of", "evaluate", "train_run", "quick_autotuning",
+           "state_size", "mqar_recipes", "build_model", "epoch_generator", "batches_of", "evaluate", "train_run", "quick_autotuning",
            "plan", "run_streams", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
            "merged_setting", "parse_args", "main"]
 
@@ -169,6 +169,17 @@ def build_model(recipe: str, impl: str, spec: dict[str, Any], seed: int):
         MIXERS[kind] = saved
 
 
+def epoch_generator():
+    """The run's own generator for each new epoch's order, called right after
+    :func:`build_model`: it starts where the seeded global stream stands after the model's draws
+    (as that stream stood when a process ran one run), so runs sharing a process keep their order."""
+    import torch
+
+    generator = torch.Generator()
+    generator.set_state(torch.get_rng_state())
+    return generator
+
+
 def batches_of(spec: dict[str, Any], seed: int):
     """(train ids, train labels, val ids, val labels), int64, from the seed (train ``2 seed``,
     held-out ``2 seed + 1``, as hybridzoo's MQARDataModule)."""
@@ -220,10 +231,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     lock = _LANE_LOCK  # runs sharing this process (--streams) take turns at everything but replays
     with lock:
         model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
-        # the run's own generator for each new epoch's order, from where the seeded stream stands
-        # after the model's draws (as torch's global stream stood there when a process ran one run)
-        epoch_rng = torch.Generator()
-        epoch_rng.set_state(torch.get_rng_state())
+        epoch_rng = epoch_generator()
         model.to(device)
         row["state_size"] = state_size(config, spec["seq_len"])
         row["parameters"] = sum(p.numel() for p in model.parameters())
@@ -565,13 +573,13 @@ def main(argv: list[str] | None = None) -> int:
                                                        skipped, sys.argv[1:] if argv is None else argv)
     print(f"mqar: {len(jobs)} runs to do on {device} with {args.workers} worker(s)", flush=True)
     if args.streams > 1:
-        groups = [jobs[i::max(1, args.workers)] for i in range(max(1, args.workers))]
         if args.workers <= 1:
             run_streams(jobs, args.streams)
         else:
             import functools
             import multiprocessing
 
+            groups = [jobs[i::args.workers] for i in range(args.workers)]
             with multiprocessing.get_context("spawn").Pool(args.workers, maxtasksperchild=1) as pool:
                 for _ in pool.imap_unordered(functools.partial(run_streams, streams=args.streams), groups):
                     pass

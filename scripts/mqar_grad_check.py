@@ -29,8 +29,8 @@ whole run: ``--steps 3000 --check ''`` reports the curve and accuracy every 250 
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -49,9 +49,7 @@ def _model_copy(model, config, backend: str, dtype: str):
 
     from hybridzoo import HybridLM
 
-    cfg = copy.deepcopy(config)
-    cfg.backend = backend
-    other = HybridLM(cfg).to(next(model.parameters()).device)
+    other = HybridLM(dataclasses.replace(config, backend=backend)).to(next(model.parameters()).device)
     other.load_state_dict(model.state_dict())
     return other.double() if dtype == "fp64" else other.float()
 
@@ -95,7 +93,7 @@ def gradients(model, config, ids, labels, device: str) -> dict:
 
 
 def mixer_stats(model) -> dict:
-    """Ranges of every mixer parameter (max |w|) and, where present, of the decay parameters."""
+    """The largest magnitude of every mixer parameter (decays, gates and projections alike)."""
     out = {}
     for name, p in model.named_parameters():
         if ".mixer." in name:
@@ -107,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.graph_step import TrainStep, make_optimizer
-    from benchmarks.mqar import BETAS, CLIP, MIN_LR_RATIO, SETTINGS, WEIGHT_DECAY, batches_of, build_model, evaluate
+    from benchmarks.mqar import (BETAS, CLIP, MIN_LR_RATIO, SETTINGS, WEIGHT_DECAY, batches_of, build_model,
+                                 epoch_generator, evaluate)
     from hybridzoo.training.module import WarmupCosine, param_groups
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -131,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device == "cuda"
     spec = dict(SETTINGS[args.setting], max_steps=args.max_steps)
     model, config = build_model(args.recipe, "hybridzoo", spec, args.seed)
-    epoch_rng = torch.Generator()
-    epoch_rng.set_state(torch.get_rng_state())
+    epoch_rng = epoch_generator()
     if args.train_backend != "auto":
         model = _model_copy(model, config, args.train_backend, "fp32")
     model.to(device)

@@ -435,19 +435,17 @@ def test_quick_autotuning_shortens_the_timing_of_every_autotuner(monkeypatch):
     assert triton.testing.do_bench is wrapped and wrapped.quick == (2.0, 10.0)
 
 
-def test_runs_sharing_a_process_on_streams_equal_runs_alone(tmp_path, capsys):
+def test_runs_sharing_a_process_on_streams_equal_runs_alone(tmp_path, capsys, monkeypatch):
     """``--streams 3``: three runs in threads of one process give the rows each gives alone, over
     several epochs (each run shuffles each new epoch from its own generator, seeded where the
     model's draws leave torch's stream, so a neighbour's draws cannot change its data order)."""
     base = ["--setting", "cpu-smoke", "--kinds", "attn,gdn", "--sizes", "s", "--impls", "hybridzoo", "--device", "cpu",
             "--lrs", "3e-3", "--seeds", "0,1", "--max-steps", "12", "--eval-every", "4", "--patience", "9",
             "--name", "s"]
-    import unittest.mock
-
     smaller = {**bench.SETTINGS, "cpu-smoke": dict(bench.SETTINGS["cpu-smoke"], num_train=40)}  # 5 steps an epoch
-    with unittest.mock.patch.object(bench, "SETTINGS", smaller):
-        assert bench.main(base + ["--out-dir", str(tmp_path / "alone")]) == 0
-        assert bench.main(base + ["--out-dir", str(tmp_path / "streams"), "--streams", "3"]) == 0
+    monkeypatch.setattr(bench, "SETTINGS", smaller)
+    assert bench.main(base + ["--out-dir", str(tmp_path / "alone")]) == 0
+    assert bench.main(base + ["--out-dir", str(tmp_path / "streams"), "--streams", "3"]) == 0
     alone = {r["id"]: r for r in json.loads((tmp_path / "alone" / "s.json").read_text())["runs"]}
     shared = {r["id"]: r for r in json.loads((tmp_path / "streams" / "s.json").read_text())["runs"]}
     assert len(alone) == 4 and alone.keys() == shared.keys()
