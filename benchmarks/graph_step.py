@@ -37,6 +37,13 @@ def make_optimizer(groups, lr: float, betas, device: str, graph: bool) -> torch.
     return torch.optim.AdamW(groups, lr=torch.tensor(lr, device=device), betas=betas, capturable=True)
 
 
+def autocast(dtype: torch.dtype | None, cache_enabled: bool = True):
+    """The MQAR runs' autocast: CUDA autocast to ``dtype``, or none where ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=cache_enabled)
+
+
 class TrainStep:
     """``step(index [batch] int64 on the device) -> loss`` (0-dim float32 tensor, not synchronised).
 
@@ -77,10 +84,8 @@ class TrainStep:
         self.fallback: str | None = None
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
         # no weight-cast cache: a captured step must cast the weights it reads at each replay
-        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=not self.graph)
+        return autocast(self.autocast_dtype, cache_enabled=not self.graph)
 
     def _eager(self, index: torch.Tensor) -> torch.Tensor:
         x, y = self.ids[index], self.labels[index]

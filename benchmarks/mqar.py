@@ -67,7 +67,7 @@ from benchmarks.mqar_reference import KINDS, NEEDS_CUDA, REFERENCE_NAMES, Refere
 from benchmarks.mqar_report import collect, paired_table, plot_results, results_table, summarize, write_outputs
 
 __all__ = ["KINDS", "IMPLS", "SETTINGS", "NEEDS_CUDA", "REFERENCE_NAMES", "ReferenceMixer", "reference_skip_reason",
-           "state_size", "mqar_recipes", "build_model", "epoch_generator", "batches_of", "evaluate", "train_run", "quick_autotuning",
+           "state_size", "mqar_recipes", "build_model", "epoch_generator", "batches_of", "evaluate", "RunLoop", "train_run", "quick_autotuning",
            "plan", "run_streams", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
            "merged_setting", "parse_args", "main"]
 
@@ -211,14 +211,80 @@ def evaluate(model, ids, labels, batch_size: int, device: str, autocast) -> tupl
     return correct / total, loss_sum / total
 
 
+class RunLoop:
+    """One run's training state and loop: the recipe's model (``build_model``), AdamW over
+    ``param_groups``, warm-up then cosine, the seed's data and epoch order, and the step
+    (:class:`benchmarks.graph_step.TrainStep`, a CUDA graph where ``graph``). ``train_run`` and
+    ``scripts/mqar_grad_check.py`` both train through it, so a checked run is the benchmark's run.
+
+    ``model_hook(model, config) -> model`` replaces the built model before it moves to ``device``
+    (the grad check trains a copy on another kernel backend). ``dtype`` ``"bf16"``: training and
+    evaluation under bf16 autocast on CUDA; ``"fp32"`` (and on the CPU): float32 throughout.
+    Attributes that a resumed run restores: ``order``, ``position``, ``step``, ``epoch_rng``.
+    """
+
+    def __init__(self, recipe: str, impl: str, spec: dict[str, Any], seed: int, lr: float, device: str,
+                 graph: bool = True, dtype: str = "bf16", model_hook=None):
+        import torch
+
+        from benchmarks.graph_step import TrainStep, autocast, make_optimizer
+        from hybridzoo.training.module import WarmupCosine, param_groups
+
+        cuda = device.startswith("cuda")
+        model, self.config = build_model(recipe, impl, spec, seed)
+        self.epoch_rng = epoch_generator()
+        if model_hook is not None:
+            model = model_hook(model, self.config)
+        self.model = model.to(device)
+        self.spec, self.device, self.batch = spec, device, spec["batch_size"]
+        self.graph = cuda and graph
+        if dtype not in ("bf16", "fp32"):
+            raise ValueError(f"RunLoop: dtype must be 'bf16' or 'fp32', not {dtype!r}")
+        self.autocast_dtype = torch.bfloat16 if cuda and dtype == "bf16" else None
+        self.autocast = lambda: autocast(self.autocast_dtype)  # noqa: E731
+        self.optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), lr, BETAS, device, self.graph)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
+        train_ids, train_labels, self.val_ids, self.val_labels = batches_of(spec, seed)
+        self.order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(seed))
+        self.position, self.step = 0, 0
+        # The training set and the epoch's order live on the device: a step's batch is gathered there.
+        # A copy from pageable host memory each step would wait for the GPU to finish the previous
+        # step, so the host could never run ahead of these launch-bound models.
+        self.train_step = TrainStep(model, self.optimizer, train_ids.to(device), train_labels.to(device), CLIP,
+                                    self.autocast_dtype, self.graph, scored_only=True)
+        self._order_on_device = None
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next step runs eagerly before the capture (Triton compiles and tunes there)."""
+        return self.train_step.captured is None and self.train_step.fallback is None
+
+    def train_step_once(self):
+        """One optimizer step on the next batch of the epoch's order (a new order, drawn on the
+        CPU from ``epoch_rng``, when the epoch runs out); the loss, not synchronised."""
+        import torch
+
+        if self.position + self.batch > self.order.numel():
+            self.order, self.position = self.order[torch.randperm(self.order.numel(), generator=self.epoch_rng)], 0
+            self._order_on_device = None
+        if self._order_on_device is None:
+            self._order_on_device = self.order.to(self.device)
+        index = self._order_on_device[self.position:self.position + self.batch]
+        self.position += self.batch
+        loss = self.train_step(index)
+        self.scheduler.step()
+        self.step += 1
+        return loss
+
+    def evaluate(self) -> tuple[float, float]:
+        """(accuracy, mean loss) on the held-out examples, under the training autocast."""
+        return evaluate(self.model, self.val_ids, self.val_labels, self.batch, self.device, self.autocast)
+
+
 def train_run(job: dict[str, Any]) -> dict[str, Any]:
     """Train one (recipe, impl, lr, seed) and return its row with the per-step curve."""
-    import contextlib
-
     import torch
-
-    from benchmarks.graph_step import TrainStep, make_optimizer
-    from hybridzoo.training.module import WarmupCosine, param_groups
 
     spec, device = job["spec"], job["device"]
     if device.startswith("cuda"):
@@ -230,21 +296,13 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     row["commit"] = job.get("commit")
     lock = _LANE_LOCK  # runs sharing this process (--streams) take turns at everything but replays
     with lock:
-        model, config = build_model(job["recipe"], job["impl"], spec, job["seed"])
-        epoch_rng = epoch_generator()
-        model.to(device)
-        row["state_size"] = state_size(config, spec["seq_len"])
+        run = RunLoop(job["recipe"], job["impl"], spec, job["seed"], job["lr"], device,
+                      graph=job.get("cuda_graph", True))
+        model, cuda = run.model, device.startswith("cuda")
+        row["state_size"] = state_size(run.config, spec["seq_len"])
         row["parameters"] = sum(p.numel() for p in model.parameters())
-        cuda = device.startswith("cuda")
-        graph = cuda and job.get("cuda_graph", True)
-        optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), job["lr"], BETAS, device, graph)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
-        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-        train_ids, train_labels, val_ids, val_labels = batches_of(spec, job["seed"])
-        order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(job["seed"]))
-        batch, curve, best, since_best = spec["batch_size"], [], -1.0, 0
-        start, step, position, earlier_seconds = time.perf_counter(), 0, 0, 0.0
+        curve, best, since_best = [], -1.0, 0
+        start, earlier_seconds = time.perf_counter(), 0.0
         checkpoint = Path(job["path"]).with_suffix(".resume.pt") if job.get("path") else None
         if checkpoint is not None and checkpoint.is_file():  # a run cut by --run-seconds goes on where it stopped
             saved = torch.load(checkpoint, map_location=device, weights_only=False)
@@ -252,39 +310,29 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"mqar: {checkpoint} was cut from a run with {saved['schedule']}, not "
                                  f"{_schedule(spec)}; delete it to start the run again")
             model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            order, position, step, curve = saved["order"], saved["position"], saved["step"], saved["curve"]
+            run.optimizer.load_state_dict(saved["optimizer"])
+            run.scheduler.load_state_dict(saved["scheduler"])
+            run.order, run.position, run.step, curve = saved["order"], saved["position"], saved["step"], saved["curve"]
             best, since_best, earlier_seconds = saved["best"], saved["since_best"], saved["seconds"]
             row["first_loss"] = saved["first_loss"]
-            epoch_rng.set_state(saved["rng"])
+            run.epoch_rng.set_state(saved["rng"])
             if cuda and saved.get("cuda_rng") is not None:
                 torch.cuda.set_rng_state(saved["cuda_rng"])
-            row["resumed_at"] = step
-        # The training set and the epoch's order live on the device: a step's batch is gathered there.
-        # A copy from pageable host memory each step would wait for the GPU to finish the previous
-        # step, so the host could never run ahead of these launch-bound models.
-        train_ids, train_labels, order_on_device = train_ids.to(device), train_labels.to(device), order.to(device)
-        train_step = TrainStep(model, optimizer, train_ids, train_labels, CLIP, torch.bfloat16 if cuda else None, graph,
-                               scored_only=True)
-    while step < spec["max_steps"]:
-        if position + batch > order.numel():  # a new epoch: a new order (drawn on the CPU, as before)
-            order, position = order[torch.randperm(order.numel(), generator=epoch_rng)], 0
-            order_on_device = order.to(device)
-        index = order_on_device[position:position + batch]
-        position += batch
-        if train_step.captured is None and train_step.fallback is None:  # warm-up (Triton compiles and
-            with lock:                                                    # tunes there) and capture
-                loss = train_step(index)
+            row["resumed_at"] = run.step
+
+
+    while run.step < spec["max_steps"]:
+        if run.warming_up:  # warm-up (Triton compiles and tunes there) and capture
+            with lock:
+                loss = run.train_step_once()
         else:
-            loss = train_step(index)
-        scheduler.step()
-        step += 1
+            loss = run.train_step_once()
+        step = run.step
         if step == 1:  # paired rows (same seed, same weights) must start from the same loss
             row["first_loss"] = round(loss.item(), 6)
         if step % spec["eval_every"] == 0 or step == spec["max_steps"]:
             with lock:
-                accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
+                accuracy, val_loss = run.evaluate()
             curve.append({"step": step, "train_loss": round(loss.item(), 5), "val_loss": round(val_loss, 5),
                           "accuracy": accuracy, "seconds": round(time.perf_counter() - start, 1)})
             print(f"mqar: {row['id']}: step {step} accuracy {accuracy:.4f} val_loss {val_loss:.4f} "
@@ -299,19 +347,20 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                                   "the invocation's --stop-at")
                 if checkpoint is not None:  # the next invocation resumes from here
                     torch.save(dict(schedule=_schedule(spec), model=model.state_dict(),
-                                    optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-                                    order=order, position=position, step=step, curve=curve, best=best,
+                                    optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
+                                    order=run.order, position=run.position, step=step, curve=curve, best=best,
                                     since_best=since_best, first_loss=row.get("first_loss"),
                                     seconds=earlier_seconds + time.perf_counter() - start,
-                                    rng=epoch_rng.get_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None),
+                                    rng=run.epoch_rng.get_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None),
                                checkpoint)
                     row["resume_from"] = str(checkpoint)
                 break
     if checkpoint is not None and not row.get("stopped") and checkpoint.is_file():
         checkpoint.unlink()  # finished: nothing to resume
+    train_step = run.train_step
     row["cuda_graph"] = dict(used=train_step.captured is not None, check=train_step.check,
-                             fallback=train_step.fallback) if graph else None
-    row.update(status="ok", steps=step, accuracy=max(p["accuracy"] for p in curve),
+                             fallback=train_step.fallback) if run.graph else None
+    row.update(status="ok", steps=run.step, accuracy=max(p["accuracy"] for p in curve),
                final_accuracy=curve[-1]["accuracy"], val_loss=curve[-1]["val_loss"],
                seconds=round(earlier_seconds + time.perf_counter() - start, 1), curve=curve)
     return row
@@ -396,9 +445,10 @@ def run_streams(jobs: list[dict[str, Any]], streams: int) -> list[dict[str, Any]
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
-def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: Path
-         ) -> tuple[list[dict[str, Any]], list[str]]:
-    """The jobs still to run (not in ``runs_dir``) and the lines saying which rows are skipped."""
+def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: Path,
+         commit: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The jobs still to run (not in ``runs_dir``) and the lines saying which rows are skipped;
+    ``commit`` (the code's commit, as :func:`metadata` reads it) goes into every job's row."""
     jobs, skipped = [], []
     gpus = max(1, __import__("torch").cuda.device_count()) if device.startswith("cuda") else 1
     for recipe in mqar_recipes():
@@ -423,7 +473,7 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
                                      threads=args.threads, cuda_graph=getattr(args, "cuda_graph", True),
                                      quick_autotune=not getattr(args, "full_autotune", False),
-                                     commit=getattr(args, "commit", None)))
+                                     commit=commit))
     return jobs, skipped
 
 
@@ -564,8 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         spec["overrides"] = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     runs_dir.mkdir(parents=True, exist_ok=True)
     meta = metadata()
-    args.commit = meta["commit"] + ("+dirty" if meta.get("dirty") else "")
-    jobs, skipped = plan(args, spec, device, runs_dir)
+    jobs, skipped = plan(args, spec, device, runs_dir, commit=meta["commit"] + ("+dirty" if meta.get("dirty") else ""))
     for line in skipped:
         print(f"mqar: skipped: {line}", flush=True)
     results.setdefault("meta", meta)

@@ -104,10 +104,7 @@ def mixer_stats(model) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from benchmarks.graph_step import TrainStep, make_optimizer
-    from benchmarks.mqar import (BETAS, CLIP, MIN_LR_RATIO, SETTINGS, WEIGHT_DECAY, batches_of, build_model,
-                                 epoch_generator, evaluate)
-    from hybridzoo.training.module import WarmupCosine, param_groups
+    from benchmarks.mqar import SETTINGS, RunLoop
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="mqar-gdn-l")
@@ -127,28 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     checks = {int(s) for s in args.check.split(",") if s}
     saves = {int(s) for s in args.save_states.split(",") if s}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = device == "cuda"
     spec = dict(SETTINGS[args.setting], max_steps=args.max_steps)
-    model, config = build_model(args.recipe, "hybridzoo", spec, args.seed)
-    epoch_rng = epoch_generator()
-    if args.train_backend != "auto":
-        model = _model_copy(model, config, args.train_backend, "fp32")
-    model.to(device)
-    graph = cuda and args.cuda_graph
-    optimizer = make_optimizer(param_groups(model, WEIGHT_DECAY), args.lr, BETAS, device, graph)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(spec["warmup_steps"], spec["max_steps"], MIN_LR_RATIO))
-    train_ids, train_labels, val_ids, val_labels = batches_of(spec, args.seed)
-    order = torch.randperm(train_ids.shape[0], generator=torch.Generator().manual_seed(args.seed))
-    batch = spec["batch_size"]
-    dtype = torch.bfloat16 if (cuda and args.train_dtype == "bf16") else None
-    step_fn = TrainStep(model, optimizer, train_ids.to(device), train_labels.to(device), CLIP, dtype, graph,
-                        scored_only=True)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dtype is not None else contextlib.nullcontext
-    probe_ids, probe_labels = val_ids[:batch].to(device), val_labels[:batch].to(device)
+    hook = None if args.train_backend == "auto" else (
+        lambda model, config: _model_copy(model, config, args.train_backend, "fp32"))
+    run = RunLoop(args.recipe, "hybridzoo", spec, args.seed, args.lr, device, graph=args.cuda_graph,
+                  dtype=args.train_dtype, model_hook=hook)
+    model, config, batch = run.model, run.config, run.batch
+    probe_ids, probe_labels = run.val_ids[:batch].to(device), run.val_labels[:batch].to(device)
     args.out.mkdir(parents=True, exist_ok=True)
-    log, states, order_dev, position, start = [], {}, order.to(device), 0, time.perf_counter()
-    for step in range(args.steps + 1):
+    log, states, start = [], {}, time.perf_counter()
+    while True:
+        step = run.step
         if step in checks:
             entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device),
                      "mixer_max_abs": mixer_stats(model)}
@@ -164,23 +150,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"(true gradient shares {bf16['largest_true_grads']})", flush=True)
         if step == args.steps:
             break
-        if position + batch > order.numel():
-            order, position = order[torch.randperm(order.numel(), generator=epoch_rng)], 0
-            order_dev = order.to(device)
-        loss = step_fn(order_dev[position:position + batch])
-        position += batch
-        scheduler.step()
-        done = step + 1
+        loss = run.train_step_once()
+        done = run.step
         if done % 25 == 0:
             log.append({"step": done, "train_loss": float(loss)})
         if done % 250 == 0 or done == args.steps:
-            accuracy, val_loss = evaluate(model, val_ids, val_labels, batch, device, autocast)
+            accuracy, val_loss = run.evaluate()
             log.append({"step": done, "accuracy": accuracy, "val_loss": val_loss,
                         "seconds": round(time.perf_counter() - start, 1)})
             print(f"step {done}: loss {float(loss):.4f} val {val_loss:.4f} accuracy {accuracy:.4f}", flush=True)
+    cuda = device == "cuda"
     meta = {"recipe": args.recipe, "setting": args.setting, "lr": args.lr, "seed": args.seed, "steps": args.steps,
             "max_steps": args.max_steps, "train_backend": args.train_backend, "train_dtype": args.train_dtype,
-            "cuda_graph": step_fn.captured is not None, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "cuda_graph": run.train_step.captured is not None, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "torch": torch.__version__}
     (args.out / "grad_check.json").write_text(json.dumps({"meta": meta, "log": log}, indent=1))
     if states:
