@@ -481,3 +481,17 @@ def test_grad_check_script_compares_every_path_with_float64(tmp_path):
         assert abs(variants["auto-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
     assert list(torch.load(tmp_path / "states.pt")) == [2]
     assert any("accuracy" in e for e in result["log"])
+
+
+def test_patience_stops_a_flat_run_only_where_it_is_set(monkeypatch):
+    """A run whose accuracy never rises (MQAR's plateau before recall appears) trains to the step
+    cap when patience is off (the GPU settings), and stops after ``patience`` flat evaluations
+    past its first where it is set."""
+    assert bench.SETTINGS["gpu"]["patience"] is None and bench.SETTINGS["gpu-long"]["patience"] is None
+    monkeypatch.setattr(bench, "evaluate", lambda *args, **kwargs: (0.0, 8.3))
+    base = dict(bench.SETTINGS["cpu-smoke"], max_steps=12, eval_every=2)
+    job = dict(id="t", recipe="mqar-attn-s", impl="hybridzoo", lr=3e-3, seed=0, device="cpu")
+    for patience, steps in ((None, 12), (0, 12), (2, 6), (3, 8)):
+        row = bench.train_run(dict(job, spec=dict(base, patience=patience)))
+        assert row["steps"] == steps, (patience, row["steps"])
+        assert [p["step"] for p in row["curve"]] == list(range(2, steps + 1, 2))
