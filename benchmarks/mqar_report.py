@@ -54,8 +54,7 @@ def results_table(results: dict[str, Any]) -> str:
     for setting, spec in results.get("settings", {}).items():
         lines += [f"## setting `{setting}`", "",
                   f"T = {spec['seq_len']}, {spec['num_pairs']} pairs, vocab {spec['vocab_size']}, batch "
-                  f"{spec['batch_size']}, at most {spec['max_steps']} steps (stop when the held-out accuracy has "
-                  f"not risen for {spec['patience']} evaluations every {spec['eval_every']} steps), learning rates "
+                  f"{spec['batch_size']}, at most {spec['max_steps']} steps ({_stopping(spec)}), learning rates "
                   f"{', '.join(f'{lr:g}' for lr in spec.get('lrs', []))}, seeds {spec.get('seeds')}; "
                   f"device {spec.get('device_name', '?')}", "",
                   "| recipe | state size | hybridzoo median (min-max) | lr | reference | reference median (min-max) | lr |",
@@ -74,6 +73,12 @@ def results_table(results: dict[str, Any]) -> str:
     for note in results.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
+
+
+def _stopping(spec: dict[str, Any]) -> str:
+    """When a run of ``spec`` stops before its step cap, in words."""
+    rule = (f", or after {spec['patience']} evaluations without a higher accuracy" if spec.get("patience") else "")
+    return f"evaluated every {spec['eval_every']} steps; a run ends there or at accuracy 0.999{rule}"
 
 
 def paired_table(rows: list[dict[str, Any]]) -> list[str]:
