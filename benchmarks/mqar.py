@@ -67,11 +67,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.mqar_reference import KINDS, NEEDS_CUDA, REFERENCE_NAMES, ReferenceMixer, reference_skip_reason
-from benchmarks.mqar_report import collect, paired_table, plot_results, results_table, summarize, write_outputs
+from benchmarks.mqar_report import (collect, paired_summary, paired_table, plot_results, results_table, summarize,
+                                    write_outputs)
 
 __all__ = ["KINDS", "IMPLS", "SETTINGS", "NEEDS_CUDA", "REFERENCE_NAMES", "ReferenceMixer", "reference_skip_reason",
            "state_size", "mqar_recipes", "build_model", "epoch_generator", "batches_of", "evaluate", "RunLoop", "train_run", "quick_autotuning",
-           "plan", "run_streams", "summarize", "results_table", "paired_table", "plot_results", "write_outputs", "collect",
+           "plan", "run_streams", "summarize", "results_table", "paired_summary", "paired_table", "plot_results", "write_outputs", "collect",
            "merged_setting", "parse_args", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -495,3 +495,18 @@ def test_patience_stops_a_flat_run_only_where_it_is_set(monkeypatch):
         row = bench.train_run(dict(job, spec=dict(base, patience=patience)))
         assert row["steps"] == steps, (patience, row["steps"])
         assert [p["step"] for p in row["curve"]] == list(range(2, steps + 1, 2))
+
+
+def test_paired_summary_counts_the_seeds_each_implementation_wins():
+    """Seed by seed: only pairs that both finished count; a cut run or a variant has no pair."""
+    def run(impl, seed, accuracy, **extra):
+        return {"setting": "gpu", "recipe": "mqar-gla-s", "variant": "", "impl": impl, "lr": 3e-3, "seed": seed,
+                "status": "ok", "accuracy": accuracy, **extra}
+    rows = [run("hybridzoo", 0, 0.676), run("reference", 0, 0.741), run("hybridzoo", 1, 0.769),
+            run("reference", 1, 0.720), run("hybridzoo", 2, 0.619), run("reference", 2, 0.538),
+            run("hybridzoo", 3, 0.9), run("reference", 3, 0.1, stopped="time limit 10 s"),
+            run("hybridzoo", 4, 0.9, variant="-decay_init=multiscale"), run("reference", 4, 0.1)]
+    lines = bench.paired_summary(rows)
+    (row,) = [line for line in lines if line.startswith("| gpu |")]
+    assert row.split("|")[1:-1] == [" gpu ", " mqar-gla-s ", " 0.003 ", " 3 ", " 2 ", " +0.022 "]
+    assert bench.paired_summary([run("hybridzoo", 0, 0.5)]) == []
