@@ -10,6 +10,51 @@ REFERENCE_NAMES = {"gdn": "fla GatedDeltaNet", "gla": "fla GatedLinearAttention"
 NEEDS_CUDA = {"gdn", "gla", "retnet", "mamba1", "mamba2"}  # reference layers without a CPU path
 
 
+# fla's GatedDeltaNet keeps q, k, v (and their convolutions) apart, hybridzoo's concatenated:
+# hybridzoo's name -> the reference layer's names, in concatenation order
+_GDN_PARTS = {"in_proj_qkv.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+              "conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+              "in_proj_z.weight": ("g_proj.weight",), "in_proj_a.weight": ("a_proj.weight",),
+              "in_proj_b.weight": ("b_proj.weight",), "norm.weight": ("o_norm.weight",),
+              "out_proj.weight": ("o_proj.weight",)}
+
+
+def hybridzoo_tensors(kind: str, tensors: dict, like: dict) -> dict:
+    """A reference model's weights or gradients (``{name: tensor}`` under the reference model's
+    names, as ``build_model(..., "reference", ...)`` builds it) under hybridzoo's names and shapes.
+
+    ``like`` is a hybridzoo model's state dict of the same recipe (for the shapes). Mixer tensors
+    move from ``blocks.i.mixer.layer.*`` to ``blocks.i.mixer.*``; fla's separate q/k/v projections
+    and convolutions are concatenated as hybridzoo's fused ones (a gradient concatenates the same
+    way, the map being linear); short-convolution weights ``[C, 1, W]`` become ``[C, W]``; the
+    Llama reference's rotary table (a buffer) is dropped. Raises if a name is left unmatched.
+    """
+    import torch
+
+    out, grouped = {}, {}
+    for name, tensor in tensors.items():
+        if ".mixer.rotary." in name:
+            continue
+        if ".mixer.layer." not in name:
+            out[name] = tensor
+            continue
+        prefix, local = name.split(".mixer.layer.", 1)
+        target = next((t for t, parts in _GDN_PARTS.items() if local in parts), None) if kind == "gdn" else None
+        if target is None:
+            out[f"{prefix}.mixer.{local}"] = tensor
+        else:
+            grouped.setdefault(f"{prefix}.mixer.{target}", {})[_GDN_PARTS[target].index(local)] = tensor
+    for name, pieces in grouped.items():
+        out[name] = torch.cat([pieces[i] for i in sorted(pieces)])
+    for name, tensor in out.items():
+        if name in like and tensor.dim() == like[name].dim() + 1 and tensor.shape[1] == 1:
+            out[name] = tensor.squeeze(1)
+    unknown = sorted(set(out) - set(like))
+    if unknown:
+        raise KeyError(f"hybridzoo_tensors: {kind} reference names with no hybridzoo counterpart: {unknown}")
+    return out
+
+
 # ---- the reference layers ----------------------------------------------------------------------
 def reference_skip_reason(kind: str, device: str) -> str | None:
     """Why the reference layer of ``kind`` cannot run here (None: it can)."""

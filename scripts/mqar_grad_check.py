@@ -15,6 +15,13 @@ ref-fp32     reference kernels, float32
 ref-fp64     reference kernels, float64: the spec every path is measured by
 ============ =============================================================
 
+With ``--impl reference`` the run trains the benchmark's reference model instead (fla's or
+mamba_ssm's layer, or Llama attention, in the same blocks), and two more variants compute the
+gradient with that model itself: ``theirs-bf16`` (its training path) and ``theirs-fp32``; the
+hybridzoo variants get its weights (:func:`benchmarks.mqar_reference.hybridzoo_tensors`), and
+its gradients are compared under hybridzoo's names. So both implementations' paths are measured
+against one float64 gradient, at the weights of a reference run.
+
 For each variant: the loss, the gradient norm, and the relative error of the whole gradient and
 of its worst parameter against ``ref-fp64``. The weights at the ``--save-states`` steps go to
 ``states.pt``.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -44,25 +52,37 @@ VARIANTS = {"auto-bf16": ("auto", "bf16"), "auto-fp32": ("auto", "fp32"), "ref-b
             "ref-fp32": ("reference", "fp32"), "ref-fp64": ("reference", "fp64")}
 
 
-def _model_copy(model, config, backend: str, dtype: str):
-    import torch
-
+def _model_copy(state: dict, config, backend: str, dtype: str, device):
+    """A hybridzoo model of ``config`` on ``backend`` holding ``state``, in float64 or float32."""
     from hybridzoo import HybridLM
 
-    other = HybridLM(dataclasses.replace(config, backend=backend)).to(next(model.parameters()).device)
-    other.load_state_dict(model.state_dict())
+    other = HybridLM(dataclasses.replace(config, backend=backend)).to(device)
+    other.load_state_dict(state)
     return other.double() if dtype == "fp64" else other.float()
 
 
-def gradients(model, config, ids, labels, device: str) -> dict:
-    """Loss and gradient of ``(ids, labels)`` under every variant; errors against ref-fp64."""
+def gradients(model, config, ids, labels, device: str, impl: str = "hybridzoo") -> dict:
+    """Loss and gradient of ``(ids, labels)`` under every variant; errors against ref-fp64.
+    ``model`` is the run's model: hybridzoo's, or with ``impl == "reference"`` the reference one
+    (whose own paths are then the ``theirs-*`` variants)."""
     import torch
 
+    from benchmarks.mqar_reference import hybridzoo_tensors
+    from hybridzoo import HybridLM
     from hybridzoo.zoo.model import lm_loss, shift_labels
 
+    like = HybridLM(config).state_dict() if impl == "reference" else None
+    state = (hybridzoo_tensors(config.pattern[0], model.state_dict(), like) if impl == "reference"
+             else model.state_dict())
+    variants = dict(VARIANTS)
+    if impl == "reference":
+        variants.update({"theirs-bf16": ("theirs", "bf16"), "theirs-fp32": ("theirs", "fp32")})
     results, grads = {}, {}
-    for name, (backend, dtype) in VARIANTS.items():
-        other = _model_copy(model, config, backend, dtype)
+    for name, (backend, dtype) in variants.items():
+        if backend == "theirs":
+            other = copy.deepcopy(model).float()
+        else:
+            other = _model_copy(state, config, backend, dtype, next(model.parameters()).device)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" and device.startswith("cuda")
                     else torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16"
                     else contextlib.nullcontext())
@@ -74,7 +94,8 @@ def gradients(model, config, ids, labels, device: str) -> dict:
         except Exception as error:  # a path that fails is a finding, not the end of the check
             results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             continue
-        grads[name] = {n: p.grad.detach().double() for n, p in other.named_parameters() if p.grad is not None}
+        named = {n: p.grad.detach().double() for n, p in other.named_parameters() if p.grad is not None}
+        grads[name] = hybridzoo_tensors(config.pattern[0], named, like) if backend == "theirs" else named
         norm = math.sqrt(sum(float((g * g).sum()) for g in grads[name].values()))
         results[name] = {"loss": float(loss.detach()), "grad_norm": norm}
     spec = grads.get("ref-fp64")
@@ -116,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", default="0,50,100,200,400,600", help="steps at which to compare gradients")
     parser.add_argument("--save-states", dest="save_states", default="",
                         help="check steps whose weights go to states.pt (default: none)")
+    parser.add_argument("--impl", default="hybridzoo", choices=("hybridzoo", "reference"),
+                        help="train hybridzoo's model or the benchmark's reference model (theirs-* variants)")
     parser.add_argument("--train-backend", dest="train_backend", default="auto")
     parser.add_argument("--train-dtype", dest="train_dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
@@ -125,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     saves = {int(s) for s in args.save_states.split(",") if s}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = dict(SETTINGS[args.setting], max_steps=args.max_steps)
+    if args.impl == "reference" and args.train_backend != "auto":
+        raise SystemExit("mqar_grad_check: --train-backend applies to hybridzoo's model, not with --impl reference")
     hook = None if args.train_backend == "auto" else (
-        lambda model, config: _model_copy(model, config, args.train_backend, "fp32"))
-    run = RunLoop(args.recipe, "hybridzoo", spec, args.seed, args.lr, device, graph=args.cuda_graph,
+        lambda model, config: _model_copy(model.state_dict(), config, args.train_backend, "fp32",
+                                          next(model.parameters()).device))
+    run = RunLoop(args.recipe, args.impl, spec, args.seed, args.lr, device, graph=args.cuda_graph,
                   dtype=args.train_dtype, model_hook=hook)
     model, config, batch = run.model, run.config, run.batch
     probe_ids, probe_labels = run.val_ids[:batch].to(device), run.val_labels[:batch].to(device)
@@ -136,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         step = run.step
         if step in checks:
-            entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device),
+            entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device, args.impl),
                      "mixer_max_abs": mixer_stats(model)}
             if step in saves:
                 states[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -160,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         "seconds": round(time.perf_counter() - start, 1)})
             print(f"step {done}: loss {float(loss):.4f} val {val_loss:.4f} accuracy {accuracy:.4f}", flush=True)
     cuda = device == "cuda"
-    meta = {"recipe": args.recipe, "setting": args.setting, "lr": args.lr, "seed": args.seed, "steps": args.steps,
+    meta = {"recipe": args.recipe, "impl": args.impl, "setting": args.setting, "lr": args.lr, "seed": args.seed, "steps": args.steps,
             "max_steps": args.max_steps, "train_backend": args.train_backend, "train_dtype": args.train_dtype,
             "cuda_graph": run.train_step.captured is not None, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "torch": torch.__version__}

@@ -510,3 +510,45 @@ def test_paired_summary_counts_the_seeds_each_implementation_wins():
     (row,) = [line for line in lines if line.startswith("| gpu |")]
     assert row.split("|")[1:-1] == [" gpu ", " mqar-gla-s ", " 0.003 ", " 3 ", " 2 ", " +0.022 "]
     assert bench.paired_summary([run("hybridzoo", 0, 0.5)]) == []
+
+
+def test_grad_check_measures_the_reference_model_against_the_same_float64_gradient(tmp_path):
+    """``--impl reference`` trains the reference model (Llama attention runs on a CPU) and adds its
+    own paths: in float32 its gradient, mapped to hybridzoo's names, is the float64 gradient of
+    hybridzoo's model holding its weights to 1e-4; in bf16 it is measured, not copied."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "scripts" / "mqar_grad_check.py"), "--setting", "cpu-smoke",
+                    "--recipe", "mqar-attn-s", "--impl", "reference", "--lr", "1e-2", "--steps", "3",
+                    "--max-steps", "12", "--check", "3", "--out", str(tmp_path)], check=True, capture_output=True,
+                   cwd=root)
+    result = json.loads((tmp_path / "grad_check.json").read_text())
+    assert result["meta"]["impl"] == "reference"
+    (entry,) = [e for e in result["log"] if "variants" in e]
+    variants = entry["variants"]
+    assert set(variants) == {"auto-bf16", "auto-fp32", "ref-bf16", "ref-fp32", "ref-fp64", "theirs-bf16", "theirs-fp32"}
+    assert variants["theirs-fp32"]["grad_rel_err"] < 1e-4
+    assert abs(variants["theirs-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
+    assert 1e-4 < variants["theirs-bf16"]["grad_rel_err"] < 0.5
+
+
+def test_reference_weights_map_to_hybridzoo_names():
+    """Under one seed both models hold the same weights: mapped to hybridzoo's names and shapes
+    (fla's separate q/k/v of Gated DeltaNet concatenated, [C, 1, W] convolutions squeezed), the
+    reference model's state equals hybridzoo's, name for name."""
+    from benchmarks.mqar_reference import hybridzoo_tensors
+
+    spec = bench.SETTINGS["cpu-smoke"]
+    recipes = ["mqar-attn-s", "mqar-attn-l"]
+    if importlib.util.find_spec("fla") is not None:
+        recipes += ["mqar-gdn-s", "mqar-gdn-l", "mqar-gla-s", "mqar-retnet-l"]
+    for recipe in recipes:
+        ours = bench.build_model(recipe, "hybridzoo", spec, seed=2)[0].state_dict()
+        ref = bench.build_model(recipe, "reference", spec, seed=2)[0].state_dict()
+        mapped = hybridzoo_tensors(recipe.split("-")[1], ref, ours)
+        assert mapped.keys() == ours.keys(), recipe
+        for name, value in ours.items():
+            assert torch.equal(mapped[name], value), (recipe, name)
+    with pytest.raises(KeyError, match="no hybridzoo counterpart"):
+        hybridzoo_tensors("gdn", {"blocks.0.mixer.layer.extra.weight": torch.zeros(1)}, ours)
