@@ -323,8 +323,6 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
             if cuda and saved.get("cuda_rng") is not None:
                 torch.cuda.set_rng_state(saved["cuda_rng"])
             row["resumed_at"] = run.step
-
-
     while run.step < spec["max_steps"]:
         if run.warming_up:  # warm-up (Triton compiles and tunes there) and capture
             with lock:
