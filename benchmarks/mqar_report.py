@@ -91,7 +91,7 @@ def paired_summary(rows: list[dict[str, Any]]) -> list[str]:
     done = {(r["setting"], r["recipe"], r["lr"], r["seed"], r["impl"]): r["accuracy"] for r in rows
             if r.get("status") == "ok" and not r.get("variant") and not r.get("stopped")}
     groups: dict[tuple, list[float]] = {}
-    for (setting, recipe, lr, seed, impl), accuracy in sorted(done.items(), key=lambda kv: str(kv[0])):
+    for (setting, recipe, lr, seed, impl), accuracy in done.items():
         if impl == "hybridzoo" and (setting, recipe, lr, seed, "reference") in done:
             groups.setdefault((setting, recipe, lr), []).append(accuracy - done[(setting, recipe, lr, seed, "reference")])
     if not groups:
