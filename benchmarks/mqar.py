@@ -243,7 +243,7 @@ class RunLoop:
         if model_hook is not None:
             model = model_hook(model, self.config)
         self.model = model.to(device)
-        self.spec, self.device, self.batch = spec, device, spec["batch_size"]
+        self.device, self.batch = device, spec["batch_size"]
         self.graph = cuda and graph
         if dtype not in ("bf16", "fp32"):
             raise ValueError(f"RunLoop: dtype must be 'bf16' or 'fp32', not {dtype!r}")
