@@ -3,6 +3,10 @@ and warps, on CUDA: which launch settings are fastest at a shape.
 
     python scripts/probe_scan_configs.py --block-t 16 --shape 2,16384,2048,16
     python scripts/probe_scan_configs.py --block-t 32 --shape 8,2048,1536,16 --out probe.jsonl
+    python scripts/probe_scan_configs.py --block-t 16 --module my_scan_variant --kernels bwd
+
+``--module`` names a module laid out as ``hybridzoo.kernels.triton.selective_scan`` (the default),
+so that a rewritten kernel can be timed beside the packaged one on the same inputs.
 
 bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
 is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
@@ -31,6 +35,10 @@ def main() -> int:
     parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
     parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
     parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to vary")
+    parser.add_argument("--max-per-thread", type=int, default=128,
+                        help="skip settings whose tile puts more elements on a thread")
+    parser.add_argument("--module", default="hybridzoo.kernels.triton.selective_scan",
+                        help="the module whose selective_scan and _config are timed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -39,7 +47,7 @@ def main() -> int:
 
     from hybridzoo.kernels.triton import launch
 
-    module = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    module = importlib.import_module(args.module)
 
     launch.AUTOTUNE = False
     batch, length, dm, n = (int(v) for v in args.shape.split(","))
@@ -57,7 +65,7 @@ def main() -> int:
     base = module._config(training=True)
 
     def run(cfg):
-        module._config = lambda training, cfg=cfg: cfg
+        module._config = lambda training, block_n=16, cfg=cfg: cfg
         y, _ = module.selective_scan(u, delta, A, B, C, D, z, bias, delta_softplus=True)
         return y
 
@@ -69,10 +77,11 @@ def main() -> int:
         for bd in blocks:
             for w in warps:
                 per_thread = args.block_t * bd * triton.next_power_of_2(n) // (32 * w)
-                if not 4 <= per_thread <= 128:
+                if not 4 <= per_thread <= args.max_per_thread:
                     continue  # tiles of fewer elements than threads, or a long register spill
                 cfg = dict(base, block_t=args.block_t, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
-                row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, shape=args.shape)
+                row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, shape=args.shape,
+                           module=args.module)
                 try:
                     if kernel == "fwd":
                         ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)
