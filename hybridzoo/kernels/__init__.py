@@ -37,6 +37,8 @@ __all__ = [
     "chunk_linear_attn_grads",
     "chunk_delta_rule",
     "selective_scan",
+    "selective_scan_grads",
+    "selective_scan_saved",
     "attention",
     "merge_attention",
     "causal_conv1d",
@@ -189,6 +191,65 @@ def selective_scan(
     impl = resolve("selective_scan", backend, u.device)
     return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                 initial_state=initial_state, output_final_state=output_final_state)
+
+
+def selective_scan_saved(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False, initial_state: torch.Tensor | None = None, *, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`selective_scan` with no autograd graph, for a caller that keeps the output and takes
+    the backward later from :func:`selective_scan_grads` (as a recomputed mixer does, so that the
+    scan's forward runs once).
+
+    Returns:
+        ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32, saved)``. ``saved`` is what
+        the backward restarts from: our Triton backend's state at the start of each of its time
+        blocks (``[B, n_blocks, Dm, N]`` float32, 1/16 of a per-token state), an empty tensor for
+        any other backend (whose backward runs the forward again).
+    """
+    from hybridzoo.kernels._dispatch import _auto_backend
+
+    impl = resolve("selective_scan", backend, u.device)  # a clear error for an unusable backend
+    name = _auto_backend("selective_scan", u.device) if backend == "auto" else backend
+    if name == "triton" and u.shape[1] > 0:
+        from hybridzoo.kernels.triton.selective_scan import selective_scan_saved as saved_scan
+
+        with torch.autocast(u.device.type, enabled=False):
+            return saved_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+    with torch.no_grad():
+        y, final = impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                        initial_state=initial_state, output_final_state=True)
+    return y, final, u.new_empty((0,), dtype=torch.float32)
+
+
+def selective_scan_grads(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None, saved: torch.Tensor, dy: torch.Tensor | None,
+    dfinal: torch.Tensor | None, *, delta_softplus: bool = False, backend: str = "auto",
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of :func:`selective_scan` w.r.t. ``(u, delta, A, B, C, D, z, delta_bias,
+    initial_state)`` from those of its outputs (``dy [B, T, Dm]``, ``dfinal [B, Dm, N]``; None
+    means zero), given the same inputs and the ``saved`` of :func:`selective_scan_saved` on the
+    same backend. Our Triton backend restarts from the saved block states; any other backend runs
+    the op again with autograd on. Each gradient comes in its input's dtype, None for a None input.
+    """
+    if saved.numel() > 0:
+        from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as grads
+
+        with torch.autocast(u.device.type, enabled=False):
+            return grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal, delta_softplus)
+    inputs = [None if t is None else t.detach().requires_grad_(True)
+              for t in (u, delta, A, B, C, D, z, delta_bias, initial_state)]
+    with torch.enable_grad():
+        y, final = selective_scan(*inputs[:8], delta_softplus, initial_state=inputs[8],
+                                  output_final_state=True, backend=backend)
+    pairs = [(out, g) for out, g in ((y, dy), (final, dfinal)) if g is not None]
+    wanted = [t for t in inputs if t is not None]
+    found = iter(torch.autograd.grad([p[0] for p in pairs], wanted, [p[1] for p in pairs], allow_unused=True)
+                 if pairs else [None] * len(wanted))
+    return tuple(None if t is None else next(found) for t in inputs)
 
 
 def attention(

@@ -28,12 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridzoo.kernels import selective_scan, selective_scan_step
+from hybridzoo.kernels import selective_scan, selective_scan_grads, selective_scan_saved, selective_scan_step
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
-from hybridzoo.layers.recompute import maybe_recomputed, plain_modules
+from hybridzoo.layers.recompute import Kept, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
+
+
+KEEP_SCAN_STATES = True
+"""A recomputed Mamba-1 mixer keeps the scan's saved states (with our Triton backend one float32
+state per channel and 16 tokens: ``d_state * d_inner / 4`` bytes per token) so that its backward
+does not run the scan's forward again; False recomputes them instead (less memory, a second scan
+forward in every backward)."""
 
 
 @dataclass
@@ -138,14 +145,17 @@ class Mamba1(Mixer):
 
         With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
         the backward (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps
-        ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does."""
+        ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does.
+        The scan's forward is not run again: the step keeps the state the scan's backward restarts
+        from (:func:`~hybridzoo.kernels.selective_scan_saved`; with our Triton backend one state
+        per 16 tokens, float32)."""
         if not plain_modules(self.conv1d, self.x_proj):
             return self._mix_modules(x, state)
         xz = self.in_proj(x)
         tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                    self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
                    None if state is None else state.recurrent)
-        y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors)
+        y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
@@ -162,17 +172,19 @@ class Mamba1(Mixer):
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log,
-               D, conv_tail, recurrent):
+               D, conv_tail, recurrent, keep: Kept | None = None):
         """From ``in_proj``'s output ``xz [B, T, 2·d_inner]`` (the activation dtype) to the gated
         scan output ``[B, T, d_inner]`` (xz's dtype), with the new conv tail and recurrent state.
-        The parameters come in as arguments (see :meth:`mix`)."""
+        The parameters come in as arguments (see :meth:`mix`); ``keep`` (see
+        :class:`~hybridzoo.layers.recompute.Kept`) keeps the scan's saved states."""
         def conv(x_in, tail):
             return short_conv(x_in, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend)
 
         return self._body(xz, conv, lambda u: F.linear(u, x_proj_weight), dt_proj_weight, dt_proj_bias, A_log,
-                          D, conv_tail, recurrent)
+                          D, conv_tail, recurrent, keep)
 
-    def _body(self, xz, conv, x_proj, dt_proj_weight, dt_proj_bias, A_log, D, conv_tail, recurrent):
+    def _body(self, xz, conv, x_proj, dt_proj_weight, dt_proj_bias, A_log, D, conv_tail, recurrent,
+              keep: Kept | None = None):
         """The mixer between ``in_proj`` and ``out_proj``, shared by :meth:`_inner` (weights as
         tensors) and :meth:`_mix_modules` (submodules): ``conv(x_in, tail) -> (u, tail)`` and
         ``x_proj(u)`` are the short convolution and the x projection either way. Returns the gated
@@ -187,10 +199,24 @@ class Mamba1(Mixer):
                 u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0],
                 delta_bias=dt_proj_bias, delta_softplus=True, state=recurrent)
             return y[:, None], conv_tail, recurrent
+        if keep is not None and KEEP_SCAN_STATES:  # recomputed: the first run's saved states
+            y, recurrent, _ = keep.op(self._scan_saved, self._scan_grads, (u, delta, A, B, C, D, z, dt_proj_bias,
+                                      recurrent), keep_values=(False, False, True), grads_take_outputs=True)
+            return y, conv_tail, recurrent
         y, recurrent = sharded(selective_scan)(
             u, delta, A, B, C, D, z, delta_bias=dt_proj_bias, delta_softplus=True,
             initial_state=recurrent, output_final_state=True, backend=self.backend)
         return y, conv_tail, recurrent
+
+    def _scan_saved(self, u, delta, A, B, C, D, z, delta_bias, initial_state):
+        """The scan with no graph: ``(y, final state, saved)`` (y and the final state are only
+        returned by the body, so only ``saved`` is kept)."""
+        return selective_scan_saved(u, delta, A, B, C, D, z, delta_bias, True, initial_state, backend=self.backend)
+
+    def _scan_grads(self, u, delta, A, B, C, D, z, delta_bias, initial_state, y, final, saved, dy, dfinal, dsaved):
+        """The backward of :meth:`_scan_saved` from its ``saved`` states, without a second forward."""
+        return selective_scan_grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal,
+                                    delta_softplus=True, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "

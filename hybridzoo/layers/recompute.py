@@ -50,18 +50,20 @@ def wants_recompute(*tensors: torch.Tensor | None) -> bool:
 
 class _GivenOutputs(torch.autograd.Function):
     """Outputs computed earlier, attached to ``inputs`` with the backward ``grads_fn(*inputs,
-    *output_grads) -> input grads``."""
+    *output_grads) -> input grads`` (``grads_fn(*inputs, *outputs, *output_grads)`` when
+    ``with_outputs``)."""
 
     @staticmethod
-    def forward(ctx, grads_fn, outputs, *inputs):
+    def forward(ctx, grads_fn, outputs, with_outputs, *inputs):
         ctx.grads_fn = grads_fn
+        ctx.outputs = tuple(outputs) if with_outputs else ()
         ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)
         return tuple(o.detach() for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.grads_fn(*ctx.saved_tensors, *grads))
+        return (None, None, None, *ctx.grads_fn(*ctx.saved_tensors, *ctx.outputs, *grads))
 
 
 class Kept:
@@ -80,10 +82,13 @@ class Kept:
         self._next = self._op = 0
 
     def op(self, run: Callable[..., tuple], grads: Callable[..., tuple], inputs: tuple,
-           keep_values: bool | Sequence[bool] = True) -> tuple:
+           keep_values: bool | Sequence[bool] = True, grads_take_outputs: bool = False) -> tuple:
         """``run(*inputs)`` (a tuple of tensors) in the forward; in the recomputation its kept
         outputs, where ``keep_values`` is False (for all outputs, or one flag per output: those
-        only returned by the body, never read in it) zeros of their shapes, one element each."""
+        only returned by the body, never read in it) zeros of their shapes, one element each.
+        With ``grads_take_outputs`` the backward is called as ``grads(*inputs, *outputs,
+        *output_grads)``: for an op whose backward needs what its forward saved (an output the
+        body itself ignores)."""
         if not self.replaying:
             outputs = run(*inputs)
             flags = [keep_values] * len(outputs) if isinstance(keep_values, bool) else keep_values
@@ -94,13 +99,13 @@ class Kept:
         count = self.counts[self._op]
         outputs = self.tensors[self._next:self._next + count]
         self._next, self._op = self._next + count, self._op + 1
-        return _GivenOutputs.apply(grads, tuple(outputs), *inputs)
+        return _GivenOutputs.apply(grads, tuple(outputs), grads_take_outputs, *inputs)
 
 
 def kept_op(keep: Kept | None, run: Callable[..., tuple], grads: Callable[..., tuple], inputs: tuple,
-            keep_values: bool | Sequence[bool] = True) -> tuple:
+            keep_values: bool | Sequence[bool] = True, grads_take_outputs: bool = False) -> tuple:
     """``run(*inputs)`` when ``keep`` is None (a plain call), else :meth:`Kept.op`."""
-    return run(*inputs) if keep is None else keep.op(run, grads, inputs, keep_values)
+    return run(*inputs) if keep is None else keep.op(run, grads, inputs, keep_values, grads_take_outputs)
 
 
 def linear_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

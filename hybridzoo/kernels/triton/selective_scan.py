@@ -35,7 +35,7 @@ from hybridzoo.kernels.reference import selective_scan as _reference_scan
 from hybridzoo.kernels.reference.selective_scan import _check
 from hybridzoo.kernels.triton import launch
 
-__all__ = ["selective_scan"]
+__all__ = ["selective_scan", "selective_scan_grads", "selective_scan_saved"]
 
 
 def _config(training: bool, block_n: int = 16) -> dict:
@@ -320,34 +320,85 @@ _bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT
                        restore=("dB_ptr", "dC_ptr"))
 
 
+def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt):
+    """Launch the forward on prepared inputs (:func:`_prepared`): ``(y, final, ckpt)``, ``ckpt`` the
+    state entering each time block ``[B, n_blocks, Dm, N]`` float32 when ``store_ckpt``."""
+    batch, length, dm = u.shape
+    groups, n = B.shape[2], A.shape[1]
+    per_group = dm // groups
+    block_n = max(triton.next_power_of_2(n), 2)
+    cfg = _config(training=store_ckpt, block_n=block_n)
+    n_blocks = triton.cdiv(length, cfg["block_t"])
+    y = launch.empty((batch, length, dm), u.dtype, u.device)
+    final = launch.empty((batch, dm, n), torch.float32, u.device)
+    ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
+    launch.run(
+        _fwd, _grid_shape(batch, groups, per_group),
+        u, delta, A, B, C, u if D is None else D, u if z is None else z,
+        u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
+        y, final, ckpt,
+        length, dm, n, groups, per_group, n_blocks,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
+        BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+        fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
+    )
+    return y, final, ckpt
+
+
+def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, initial_dtype):
+    """Launch the backward on prepared inputs and the forward's ``ckpt``: the gradients of
+    ``(u, delta, A, B, C, D, z, delta_bias, initial_state)`` (None for a None input; the
+    initial state's in ``initial_dtype``, None when there was none)."""
+    cfg = _config(training=True, block_n=max(triton.next_power_of_2(A.shape[1]), 2))
+    batch, length, dm = u.shape
+    groups, n = B.shape[2], A.shape[1]
+    if ckpt.shape != (batch, triton.cdiv(length, cfg["block_t"]), dm, n):
+        raise ValueError(f"selective_scan (triton): the saved block states have shape {tuple(ckpt.shape)}, "
+                         f"expected {(batch, triton.cdiv(length, cfg['block_t']), dm, n)} for these inputs")
+    per_group = dm // groups
+    dev = u.device
+    du = launch.empty(u.shape, u.dtype, dev)
+    ddelta = launch.empty(delta.shape, delta.dtype, dev)
+    dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
+    dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
+    dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
+    dA = launch.empty((batch, dm, n), torch.float32, dev)  # per batch, summed below
+    dD = None if D is None else launch.empty((batch, dm), torch.float32, dev)
+    dbias = None if delta_bias is None else launch.empty((batch, dm), torch.float32, dev)
+    dh0 = launch.empty((batch, dm, n), torch.float32, dev)
+    dy = None if dy is None else dy.contiguous()
+    dfinal = None if dfinal is None else dfinal.contiguous()
+    launch.run(
+        _bwd, _grid_shape(batch, groups, per_group),
+        u, delta, A, B, C, u if D is None else D, u if z is None else z,
+        u if delta_bias is None else delta_bias, ckpt,
+        u if dy is None else dy, u if dfinal is None else dfinal,
+        du, ddelta, du if dz is None else dz, dB, dC, dA,
+        dA if dD is None else dD, dA if dbias is None else dbias, dh0,
+        length, dm, n, groups, per_group, ckpt.shape[1],
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
+        BLOCK_T=cfg["block_t"], BLOCK_N=max(triton.next_power_of_2(n), 2),
+        fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
+    )
+    return (
+        du, ddelta, dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+        None if D is None else dD.sum(0).to(D.dtype), dz,
+        None if delta_bias is None else dbias.sum(0).to(delta_bias.dtype),
+        None if initial_dtype is None else dh0.to(initial_dtype),
+    )
+
+
 class _SelectiveScanFn(torch.autograd.Function):
     """B, C arrive as ``[B, T, G, N]`` contiguous; everything else contiguous."""
 
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state):
-        store_ckpt = any(ctx.needs_input_grad)
-        batch, length, dm = u.shape
-        groups, n = B.shape[2], A.shape[1]
-        per_group = dm // groups
-        block_n = max(triton.next_power_of_2(n), 2)
-        cfg = _config(training=store_ckpt, block_n=block_n)
-        n_blocks = triton.cdiv(length, cfg["block_t"])
-        y = launch.empty((batch, length, dm), u.dtype, u.device)
-        final = launch.empty((batch, dm, n), torch.float32, u.device)
-        ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
-        launch.run(
-            _fwd, _grid_shape(batch, groups, per_group),
-            u, delta, A, B, C, u if D is None else D, u if z is None else z,
-            u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
-            y, final, ckpt,
-            length, dm, n, groups, per_group, n_blocks,
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
-            BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
-            fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
-        )
+        y, final, ckpt = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state,
+                                  store_ckpt=any(ctx.needs_input_grad))
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, ckpt)
-        ctx.softplus, ctx.cfg, ctx.has_h0 = softplus, cfg, initial_state is not None
+        ctx.softplus = softplus
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)
         return y, final
@@ -355,41 +406,32 @@ class _SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         u, delta, A, B, C, D, z, delta_bias, ckpt = ctx.saved_tensors
-        cfg = ctx.cfg
-        batch, length, dm = u.shape
-        groups, n = B.shape[2], A.shape[1]
-        per_group = dm // groups
-        dev = u.device
-        du = launch.empty(u.shape, u.dtype, dev)
-        ddelta = launch.empty(delta.shape, delta.dtype, dev)
-        dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
-        dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
-        dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
-        dA = launch.empty((batch, dm, n), torch.float32, dev)  # per batch, summed below
-        dD = None if D is None else launch.empty((batch, dm), torch.float32, dev)
-        dbias = None if delta_bias is None else launch.empty((batch, dm), torch.float32, dev)
-        dh0 = launch.empty((batch, dm, n), torch.float32, dev)
-        dy = None if dy is None else dy.contiguous()
-        dfinal = None if dfinal is None else dfinal.contiguous()
-        launch.run(
-            _bwd, _grid_shape(batch, groups, per_group),
-            u, delta, A, B, C, u if D is None else D, u if z is None else z,
-            u if delta_bias is None else delta_bias, ckpt,
-            u if dy is None else dy, u if dfinal is None else dfinal,
-            du, ddelta, du if dz is None else dz, dB, dC, dA,
-            dA if dD is None else dD, dA if dbias is None else dbias, dh0,
-            length, dm, n, groups, per_group, ckpt.shape[1],
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            SOFTPLUS=ctx.softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-            BLOCK_T=cfg["block_t"], BLOCK_N=max(triton.next_power_of_2(n), 2),
-            fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
+        grads = _backward(u, delta, A, B, C, D, z, delta_bias, ctx.softplus, ckpt, dy, dfinal, ctx.initial_dtype)
+        return (*grads[:8], None, grads[8])
+
+
+def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str):
+    """The checks of the op and its inputs as the kernels take them: contiguous, B and C
+    ``[B, T, G, N]``; raises on float64 or a non-CUDA device outside the interpreter."""
+    groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if any(x is not None and x.dtype == torch.float64 for x in tensors):
+        raise ValueError(
+            f"{what} (triton): float64 inputs are not supported by the Triton kernels; "
+            "use backend='reference' for float64"
         )
-        return (
-            du, ddelta, dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-            None if D is None else dD.sum(0).to(D.dtype), dz,
-            None if delta_bias is None else dbias.sum(0).to(delta_bias.dtype),
-            None, dh0.to(ctx.initial_dtype) if ctx.has_h0 else None,
+    if u.device.type != "cuda" and not launch.interpret():
+        raise ValueError(
+            f"{what} (triton): inputs must be on a CUDA device (got {u.device}); "
+            "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"
         )
+    batch, length, _ = u.shape
+    n = A.shape[1]
+    B4 = B.reshape(batch, length, groups, n).contiguous()
+    C4 = C.reshape(batch, length, groups, n).contiguous()
+    u_, delta_, A_, D_, z_, bias_ = (None if x is None else x.contiguous() for x in (u, delta, A, D, z, delta_bias))
+    state = None if initial_state is None else initial_state.contiguous()
+    return u_, delta_, A_, B4, C4, D_, z_, bias_, state
 
 
 def selective_scan(
@@ -420,27 +462,49 @@ def selective_scan(
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32 or None)``. Gradients flow to
         every tensor input, ``initial_state`` included, and from ``final_state``.
     """
-    groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
-    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    if any(x is not None and x.dtype == torch.float64 for x in tensors):
-        raise ValueError(
-            "selective_scan (triton): float64 inputs are not supported by the Triton kernels; "
-            "use backend='reference' for float64"
-        )
-    if u.device.type != "cuda" and not launch.interpret():
-        raise ValueError(
-            f"selective_scan (triton): inputs must be on a CUDA device (got {u.device}); "
-            "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"
-        )
-    batch, length, dm = u.shape
-    if length == 0:
+    if u.shape[1] == 0:
+        _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan")
         return _reference_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                initial_state, output_final_state)
-    n = A.shape[1]
-    B4 = B.reshape(batch, length, groups, n).contiguous()
-    C4 = C.reshape(batch, length, groups, n).contiguous()
-    contiguous = [None if x is None else x.contiguous() for x in (u, delta, A, D, z, delta_bias)]
-    u_, delta_, A_, D_, z_, bias_ = contiguous
-    state = None if initial_state is None else initial_state.contiguous()
-    y, final = _SelectiveScanFn.apply(u_, delta_, A_, B4, C4, D_, z_, bias_, bool(delta_softplus), state)
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan")
+    y, final = _SelectiveScanFn.apply(*prepared[:8], bool(delta_softplus), prepared[8])
     return y, (final if output_final_state else None)
+
+
+def selective_scan_saved(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False, initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`selective_scan`'s forward for a caller that keeps its output and takes the backward
+    later from :func:`selective_scan_grads` (no autograd graph is built).
+
+    Returns:
+        ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32, saved)``: ``saved`` is the
+        state entering each time block of the backward, ``[B, ceil(T / block_t), Dm, N]`` float32
+        (``block_t`` from :func:`_config`), which the backward restarts from.
+    """
+    if u.shape[1] == 0:
+        raise ValueError("selective_scan_saved (triton): T must be at least 1")
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_saved")
+    with torch.no_grad():
+        return _forward(*prepared[:8], bool(delta_softplus), prepared[8], store_ckpt=True)
+
+
+def selective_scan_grads(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None, saved: torch.Tensor, dy: torch.Tensor | None,
+    dfinal: torch.Tensor | None, delta_softplus: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of :func:`selective_scan` w.r.t. ``(u, delta, A, B, C, D, z, delta_bias,
+    initial_state)`` from those of its outputs (``dy [B, T, Dm]``, ``dfinal [B, Dm, N]``; None
+    means zero), given the same inputs and the ``saved`` block states of
+    :func:`selective_scan_saved`. Each gradient comes in its input's dtype and shape (B and C as
+    given, ``[B, T, N]`` or ``[B, T, G, N]``), None for a None input."""
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_grads")
+    with torch.no_grad():
+        grads = list(_backward(*prepared[:8], bool(delta_softplus), saved.contiguous(), dy, dfinal,
+                               None if initial_state is None else initial_state.dtype))
+    grads[3], grads[4] = grads[3].reshape(B.shape), grads[4].reshape(C.shape)
+    return tuple(grads)

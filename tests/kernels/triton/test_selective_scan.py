@@ -15,7 +15,7 @@ from hybridzoo.kernels import selective_scan as selective_scan_op
 from hybridzoo.kernels.reference import selective_scan as reference_scan
 from hybridzoo.kernels.reference import selective_scan_loop
 from hybridzoo.kernels.triton import launch
-from hybridzoo.kernels.triton.selective_scan import selective_scan
+from hybridzoo.kernels.triton.selective_scan import selective_scan, selective_scan_grads, selective_scan_saved
 from hybridzoo.utils import rel_err
 from tests.kernels.triton.tuning import tuning_rounds
 
@@ -149,6 +149,65 @@ def test_dispatch_and_errors():
     empty = _inputs(length=0, dtype=torch.float32)
     y0, h0 = _run(selective_scan, empty)
     assert y0.shape == (2, 0, 12) and torch.equal(h0, empty["initial_state"])
+
+
+@pytest.mark.parametrize("groups,with_state", [(None, True), (2, False)])
+def test_saved_forward_and_its_grads_match_the_float64_loop(groups, with_state):
+    """selective_scan_saved then selective_scan_grads (a kept output's backward, no second
+    forward) give the op's output, final state and every gradient, against the float64 loop;
+    through the dispatching ops too. Ragged T (19 = 2 blocks of 8 + 3)."""
+    from hybridzoo.kernels import selective_scan_grads as grads_op, selective_scan_saved as saved_op
+
+    x = _inputs(length=19, groups=groups, seed=11)
+    if not with_state:
+        x["initial_state"] = None
+    ref_in = _leaves(x)
+    y_ref, h_ref = _run(selective_scan_loop, ref_in)
+    torch.manual_seed(3)
+    gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+    ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
+    f32 = {k: None if v is None else v.float() for k, v in x.items()}
+    args = [f32[k] for k in NAMES[:8]]
+    for saved_fn, grads_fn in ((selective_scan_saved, selective_scan_grads),
+                               (lambda *a: saved_op(*a, backend="triton"),
+                                lambda *a, **k: grads_op(*a, **k, backend="triton"))):
+        y, h, saved = saved_fn(*args, True, f32["initial_state"])
+        assert saved.shape == (2, 3, 12, 3) and saved.dtype == torch.float32  # one state a block of 8
+        assert rel_err(y, y_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+        kwargs = {"delta_softplus": True}
+        grads = grads_fn(*args, f32["initial_state"], saved, gy.float(), gh.float(), **kwargs)
+        assert len(grads) == len(NAMES)
+        for name, g in zip(NAMES, grads):
+            if ref_in[name] is None:
+                assert g is None, name
+                continue
+            assert g.shape == x[name].shape, name
+            assert rel_err(g, ref_in[name].grad) <= 1e-5, name
+
+
+def test_grads_refuse_saved_states_of_another_shape():
+    x = {k: v.float() for k, v in _inputs(length=19).items()}
+    args = [x[k] for k in NAMES[:8]]
+    _, _, saved = selective_scan_saved(*args, True, x["initial_state"])
+    with pytest.raises(ValueError, match="saved block states"):
+        selective_scan_grads(*args, x["initial_state"], saved[:, :2], torch.ones_like(x["u"]), None, True)
+
+
+def test_saved_forward_on_another_backend_keeps_nothing_and_its_grads_rerun_the_op():
+    """The reference backend's saved is empty; its grads come from the op run again, float64."""
+    from hybridzoo.kernels import selective_scan_grads as grads_op, selective_scan_saved as saved_op
+
+    x = _inputs(length=9, seed=12)
+    args = [x[k] for k in NAMES[:8]]
+    y, h, saved = saved_op(*args, True, x["initial_state"], backend="reference")
+    assert saved.numel() == 0 and not y.requires_grad
+    ref_in = _leaves(x)
+    y_ref, h_ref = _run(selective_scan_loop, ref_in)
+    gy = torch.randn_like(y_ref)
+    (y_ref * gy).sum().backward()
+    grads = grads_op(*args, x["initial_state"], saved, gy, None, delta_softplus=True, backend="reference")
+    for name, g in zip(NAMES, grads):
+        assert rel_err(g, ref_in[name].grad) <= 1e-10, name
 
 
 # ---------------------------------------------------------------- GPU, real shapes
