@@ -60,7 +60,7 @@ def _config(training: bool, block_n: int = 16) -> dict:
     if not training:
         cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8)
     else:
-        cfg = dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
+        cfg = dict(block_t=16, fwd_block_d=8, fwd_warps=1, bwd_block_d=4, bwd_warps=1)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
             if _per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], block_n, cfg[f"{kind}_warps"]) > TILE_PER_THREAD[kind][1]:
@@ -78,7 +78,7 @@ def _config(training: bool, block_n: int = 16) -> dict:
 # (Mamba-1 with d_state 64, as mqar-mamba1-l) those backward tiles hold 128 elements a thread and
 # spilled 3.7 to 33 KB per thread (Triton 3.7.1); the 2-wide tile on 8 warps holds 8 and does not
 # spill, the 4-wide on 8 and the 2-wide on 4 hold 16 and spill 12 to 68 B (3.7.1 and 3.9).
-FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((4, 2), (8, 4), (16, 8), (16, 4), (4, 8))]
+FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 2), (4, 8))]
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
                for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8), (2, 4))]
 # Tile elements ([BLOCK_T, BLOCK_D, BLOCK_N] over 32 * num_warps threads) a setting may put on a
@@ -148,8 +148,8 @@ def _fwd_kernel(
     d = g * PER_GROUP + cols
     n = tl.arange(0, BLOCK_N)
     nmask = n < N
-    dn = d[:, None] * N + n[None, :]
-    dn_mask = dmask[:, None] & nmask[None, :]
+    dn = d[None, :] * N + n[:, None]
+    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
@@ -158,7 +158,7 @@ def _fwd_kernel(
     if HAS_H0:
         h = tl.load(h0_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
-        h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
     blk = 0
     while blk < NB:  # (a while loop: Triton 3.6's interpreter cannot range() over a runtime int with NumPy 2.4)
@@ -177,11 +177,11 @@ def _fwd_kernel(
         bc_mask = tmask[:, None] & nmask[None, :]
         Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        a = tl.exp(dt[:, :, None] * A[None, :, :])  # [BLOCK_T, BLOCK_D, BLOCK_N]
-        x = (dt * u)[:, :, None] * Bt[:, None, :]
+        a = tl.exp(dt[:, None, :] * A[None, :, :])  # [BLOCK_T, BLOCK_N, BLOCK_D]
+        x = (dt * u)[:, None, :] * Bt[:, :, None]
         a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
         hs = x_cum + a_cum * h[None, :, :]  # states of the block's tokens, on chip only
-        y = tl.sum(hs * Ct[:, None, :], axis=2)
+        y = tl.sum(hs * Ct[:, :, None], axis=1)
         if HAS_D:
             y += Dv[None, :] * u
         if HAS_Z:
@@ -211,8 +211,8 @@ def _bwd_kernel(
     d = g * PER_GROUP + cols
     n = tl.arange(0, BLOCK_N)
     nmask = n < N
-    dn = d[:, None] * N + n[None, :]
-    dn_mask = dmask[:, None] & nmask[None, :]
+    dn = d[None, :] * N + n[:, None]
+    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
@@ -221,8 +221,8 @@ def _bwd_kernel(
     if HAS_DHT:  # the adjoint after the last token
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
-        carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
-    dA_acc = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dA_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dD_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
@@ -247,14 +247,14 @@ def _bwd_kernel(
             dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         # recompute the block's states from the state that entered it
         h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask, other=0.0)
-        a = tl.exp(dt[:, :, None] * A[None, :, :])
-        x = (dt * u)[:, :, None] * Bt[:, None, :]
+        a = tl.exp(dt[:, None, :] * A[None, :, :])
+        x = (dt * u)[:, None, :] * Bt[:, :, None]
         a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
         hs = x_cum + a_cum * h_start[None, :, :]
         # output gate
         if HAS_Z:
             zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-            y0 = tl.sum(hs * Ct[:, None, :], axis=2)
+            y0 = tl.sum(hs * Ct[:, :, None], axis=1)
             if HAS_D:
                 y0 += Dv[None, :] * u
             sz = tl.sigmoid(zv)
@@ -270,8 +270,8 @@ def _bwd_kernel(
         if HAS_BIAS:
             raw_next += bias[None, :]
         dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
-        a_next = tl.exp(dt_next[:, :, None] * A[None, :, :])
-        c = dy0[:, :, None] * Ct[:, None, :]
+        a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
+        c = dy0[:, None, :] * Ct[:, :, None]
         # as a forward scan of the block flipped in time: time lies in each thread's registers,
         # where a flip is free, while Triton lowers reverse=True to warp shuffles (640 a block
         # at the 16x4x16 tile with Triton 3.7.1, against none)
@@ -280,10 +280,10 @@ def _bwd_kernel(
         carry = tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
         # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
         ah = hs - x
-        gdt = gs * dt[:, :, None]
+        gdt = gs * dt[:, None, :]
         dA_acc += tl.sum(gdt * ah, axis=0)
-        gB = tl.sum(gs * Bt[:, None, :], axis=2)
-        ddt = tl.sum(gs * ah * A[None, :, :], axis=2) + u * gB
+        gB = tl.sum(gs * Bt[:, :, None], axis=1)
+        ddt = tl.sum(gs * ah * A[None, :, :], axis=1) + u * gB
         du = dt * gB
         if HAS_D:
             du += Dv[None, :] * dy0
@@ -294,14 +294,14 @@ def _bwd_kernel(
         dbias_acc += tl.sum(ddt, axis=0)
         tl.store(du_ptr + off, du, mask=m2)
         tl.store(ddelta_ptr + off, ddt, mask=m2)
-        tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, :, None], axis=1), mask=bc_mask)
-        tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, :, None] * hs, axis=1), mask=bc_mask)
+        tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask)
+        tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask)
         blk -= 1
     # initial-state gradient: exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw0 += bias
-    a0 = tl.exp(_step_size(raw0, SOFTPLUS)[:, None] * A)
+    a0 = tl.exp(_step_size(raw0, SOFTPLUS)[None, :] * A)
     tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask)
     tl.store(dA_ptr + b * DM * N + dn, dA_acc, mask=dn_mask)
     if HAS_D:

@@ -363,7 +363,7 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)  # the GPU settings, not the interpreter's
     pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
     for n in (2, 4, 8, 16):
-        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=4, fwd_warps=2, bwd_block_d=4, bwd_warps=1)
+        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=8, fwd_warps=1, bwd_block_d=4, bwd_warps=1)
         assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8)
     for kind, configs in (("fwd", scan.FWD_CONFIGS), ("bwd", scan.BWD_CONFIGS)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
