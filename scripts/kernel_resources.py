@@ -190,7 +190,7 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
                  "selective_scan _bwd_kernel BLOCK_D=8 warps=2": 576,
                  "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
                  "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
-                 "selective_scan _bwd_kernel N=64 BLOCK_D=2 warps=4": 96,
+                 "selective_scan _fwd_kernel N=64 BLOCK_D=4 warps=2": 8,
                  "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 64}
 
 

@@ -80,7 +80,7 @@ def _config(training: bool, block_n: int = 16) -> dict:
 # spill, the 4-wide on 8 and the 2-wide on 4 hold 16 and spill 12 to 68 B (3.7.1 and 3.9).
 FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 2), (4, 8))]
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
-               for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8), (2, 4))]
+               for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8))]
 # Tile elements ([BLOCK_T, BLOCK_D, BLOCK_N] over 32 * num_warps threads) a setting may put on a
 # thread, (fewest, most): the backward keeps about twice as many tiles live as the forward; fewer
 # than 8 leaves threads idle (at N = 16 this keeps exactly the probe's candidates).

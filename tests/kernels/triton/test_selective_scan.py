@@ -383,4 +383,4 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
             loads = [scan._per_thread(16, c.kwargs["BLOCK_D"], n, c.num_warps) for c in kept]
             assert all(x <= scan.TILE_PER_THREAD[kind][1] for x in loads) or len(kept) == 1, (n, kind, loads)
     assert scan._per_thread(16, 4, 64, 1) == 128  # the N = 16 backward setting at N = 64
-    assert pairs(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=64)) == [(2, 8), (4, 8), (2, 4)]
+    assert pairs(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=64)) == [(2, 8), (4, 8)]
