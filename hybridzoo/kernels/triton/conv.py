@@ -211,16 +211,7 @@ def causal_conv1d(
         flow to x, weight, bias and initial_state, and from final_state.
     """
     _check(x, weight, bias, initial_state, activation, seq=True)
-    if any(t is not None and t.dtype == torch.float64 for t in (x, weight, bias, initial_state)):
-        raise ValueError(
-            "causal_conv1d (triton): float64 inputs are not supported by the Triton kernels; "
-            "use backend='reference' for float64"
-        )
-    if x.device.type != "cuda" and not launch.interpret():
-        raise ValueError(
-            f"causal_conv1d (triton): inputs must be on a CUDA device (got {x.device}); "
-            "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"
-        )
+    launch.require_usable("causal_conv1d", x.device, x, weight, bias, initial_state)
     batch, length, dm = x.shape
     width = weight.shape[1]
     state = None

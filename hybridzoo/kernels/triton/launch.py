@@ -116,6 +116,18 @@ if interpret():
     _interpreter_bool_masks()
 
 
+def require_usable(op: str, device: torch.device, *tensors: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the way out when ``op``'s Triton kernels cannot take these
+    inputs: a float64 tensor (the kernels compute in float32; the reference backend takes float64)
+    or a device other than CUDA outside the interpreter."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        raise ValueError(f"{op} (triton): float64 inputs are not supported by the Triton kernels; "
+                         "use backend='reference' for float64")
+    if device.type != "cuda" and not interpret():
+        raise ValueError(f"{op} (triton): inputs must be on a CUDA device (got {device}); "
+                         "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton")
+
+
 def loop_count(n: int) -> int:
     """A sequential loop's trip count as a constexpr under the interpreter (which cannot loop
     over a runtime int with numpy 2), 0 (= use the runtime argument) when compiled."""

@@ -9,7 +9,8 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
 
 * forward: a loop over time blocks of ``BLOCK_T`` tokens; each block loads delta/u/z
   ``[BLOCK_T, BLOCK_D]`` and B/C ``[BLOCK_T, N]``, discretises on chip (``a = exp(Δ A)``,
-  ``b = Δ B u``, tiles ``[BLOCK_T, BLOCK_D, N]``), runs the recurrence as an associative scan
+  ``b = Δ B u``, tiles ``[BLOCK_T, N, BLOCK_D]``: Triton then lays channels and states across a
+  warp's lanes and time in each thread's registers), runs the recurrence as an associative scan
   over the block's time axis (pairs ``(a, b)`` composed by multiplication, never divided) and
   folds the carried state in. Only ``y``, the final state and, when a gradient is needed, the
   state at the start of each time block (``[B, n_blocks, Dm, N]`` float32, one per block, not
@@ -17,7 +18,8 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
 * backward: the blocks in reverse; each block recomputes its states from its boundary state,
   runs the adjoint ``g_t = C_t dy0_t + exp(Δ_{t+1} A) g_{t+1}`` as an associative scan of the block
   flipped in time (``g`` after the last token is the gradient of the final state) and forms all
-  gradients on chip; ``a_t h_{t-1}`` is the one-step difference ``h_t − Δ_t B_t u_t`` (as in mamba_ssm).
+  gradients on chip; ``a_t h_{t-1}`` is the one-step difference ``h_t − Δ_t B_t u_t`` (as in
+  mamba_ssm).
   dA, dD, d(delta_bias) are summed per program then over the batch in torch; dB and dC (sums
   over channels) are accumulated with float32 atomics. The initial-state gradient is
   ``exp(Δ_0 A) g_0``.
@@ -44,15 +46,14 @@ def _config(training: bool, block_n: int = 16) -> dict:
     A forward that will be differentiated shares ``block_t`` with its backward (which restarts
     from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
     the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
-    softplus bias: ``benchmarks/results/2026-12-02-probe-scan-configs-h200.jsonl``) at both
-    B2 T16384 D2048 N16 (forward 3.74 ms, backward 18.4 ms; 4.89 and 20.9 ms with the 16-wide
-    4-warp forward and 32-wide 8-warp backward used before) and Mamba-130m's B8 T2048 D1536 N16
-    (1.22 ms, 6.64 ms). Narrow channel blocks with few warps: more programs in flight. On a GPU
-    the channel block and warps are autotuned (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these
-    are the settings with autotuning off.
+    softplus bias: ``benchmarks/results/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
+    both B2 T16384 D2048 N16 (forward 3.70 ms at 8 channels on 1 warp, backward 10.57 ms at 4
+    channels on 1 warp) and Mamba-130m's B8 T2048 D1536 N16 (0.57 ms, 4.02 ms). On a GPU the
+    channel block and warps are autotuned (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these are
+    the settings with autotuning off.
 
-    A wider state (``block_n``, the padded N, above 16) widens every ``[BLOCK_T, BLOCK_D,
-    BLOCK_N]`` tile: a setting whose tile puts more elements on a thread than
+    A wider state (``block_n``, the padded N, above 16) widens every ``[BLOCK_T, BLOCK_N,
+    BLOCK_D]`` tile: a setting whose tile puts more elements on a thread than
     :data:`TILE_PER_THREAD` allows is replaced by the first candidate that fits (:func:`_fitting`);
     the measured settings stand wherever they fit (N up to 16)."""
     if launch.interpret():
@@ -71,17 +72,16 @@ def _config(training: bool, block_n: int = 16) -> dict:
 
 # Autotuned channel blocks and warps (the time block is fixed by _config: the backward restarts
 # from the forward's per-block states): the fastest few of the probe at both measured shapes, and
-# narrower tiles on more warps for wider states. At N = 16 the forward candidates compile for
-# sm_90 without register spills; the probe's backward candidates spill 180 to 540 B per thread
-# with Triton 3.6 (0 to 48 B with 3.7.1 and 3.9) and were the fastest measured all the same
-# (scripts/kernel_resources.py --spills and its SPILL_ALLOWED, checked by a CPU test). At N = 64
-# (Mamba-1 with d_state 64, as mqar-mamba1-l) those backward tiles hold 128 elements a thread and
-# spilled 3.7 to 33 KB per thread (Triton 3.7.1); the 2-wide tile on 8 warps holds 8 and does not
-# spill, the 4-wide on 8 and the 2-wide on 4 hold 16 and spill 12 to 68 B (3.7.1 and 3.9).
+# narrower tiles on more warps for wider states. Compiled for sm_90 (scripts/kernel_resources.py
+# --spills, its SPILL_ALLOWED checked by a CPU test), the N = 16 candidates spill at most 32 B a
+# thread with Triton 3.7.1 and 3.9. At N = 64 (Mamba-1 with d_state 64, as mqar-mamba1-l) the
+# N = 16 backward tiles would hold 128 elements a thread; the 2-wide tile on 8 warps holds 8 and
+# does not spill, the 4-wide on 8 holds 16 and spills 16 to 32 B (the 2-wide on 4 warps spilled
+# 460 B with Triton 3.9 and is no candidate).
 FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 2), (4, 8))]
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
                for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8))]
-# Tile elements ([BLOCK_T, BLOCK_D, BLOCK_N] over 32 * num_warps threads) a setting may put on a
+# Tile elements ([BLOCK_T, BLOCK_N, BLOCK_D] over 32 * num_warps threads) a setting may put on a
 # thread, (fewest, most): the backward keeps about twice as many tiles live as the forward; fewer
 # than 8 leaves threads idle (at N = 16 this keeps exactly the probe's candidates).
 TILE_PER_THREAD = {"fwd": (8, 64), "bwd": (8, 32)}
@@ -414,17 +414,7 @@ def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str):
     """The checks of the op and its inputs as the kernels take them: contiguous, B and C
     ``[B, T, G, N]``; raises on float64 or a non-CUDA device outside the interpreter."""
     groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
-    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    if any(x is not None and x.dtype == torch.float64 for x in tensors):
-        raise ValueError(
-            f"{what} (triton): float64 inputs are not supported by the Triton kernels; "
-            "use backend='reference' for float64"
-        )
-    if u.device.type != "cuda" and not launch.interpret():
-        raise ValueError(
-            f"{what} (triton): inputs must be on a CUDA device (got {u.device}); "
-            "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton"
-        )
+    launch.require_usable(what, u.device, u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, length, _ = u.shape
     n = A.shape[1]
     B4 = B.reshape(batch, length, groups, n).contiguous()
