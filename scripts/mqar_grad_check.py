@@ -61,21 +61,20 @@ def _model_copy(state: dict, config, backend: str, dtype: str, device):
     return other.double() if dtype == "fp64" else other.float()
 
 
-def gradients(model, config, ids, labels, device: str, impl: str = "hybridzoo") -> dict:
+def gradients(model, config, ids, labels, device: str, like: dict | None = None) -> dict:
     """Loss and gradient of ``(ids, labels)`` under every variant; errors against ref-fp64.
-    ``model`` is the run's model: hybridzoo's, or with ``impl == "reference"`` the reference one
-    (whose own paths are then the ``theirs-*`` variants)."""
+    ``model`` is the run's model: hybridzoo's, or, when ``like`` (a hybridzoo model's state dict
+    of the recipe, for names and shapes) is given, the reference one (whose own paths are then the
+    ``theirs-*`` variants)."""
     import torch
 
     from benchmarks.mqar_reference import hybridzoo_tensors
-    from hybridzoo import HybridLM
     from hybridzoo.zoo.model import lm_loss, shift_labels
 
-    like = HybridLM(config).state_dict() if impl == "reference" else None
-    state = (hybridzoo_tensors(config.pattern[0], model.state_dict(), like) if impl == "reference"
-             else model.state_dict())
+    reference = like is not None
+    state = hybridzoo_tensors(config.pattern[0], model.state_dict(), like) if reference else model.state_dict()
     variants = dict(VARIANTS)
-    if impl == "reference":
+    if reference:
         variants.update({"theirs-bf16": ("theirs", "bf16"), "theirs-fp32": ("theirs", "fp32")})
     results, grads = {}, {}
     for name, (backend, dtype) in variants.items():
@@ -126,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.mqar import SETTINGS, RunLoop
+    from hybridzoo import HybridLM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="mqar-gdn-l")
@@ -157,12 +157,14 @@ def main(argv: list[str] | None = None) -> int:
                   dtype=args.train_dtype, model_hook=hook)
     model, config, batch = run.model, run.config, run.batch
     probe_ids, probe_labels = run.val_ids[:batch].to(device), run.val_labels[:batch].to(device)
+    # the reference run's weights and gradients are compared under hybridzoo's names and shapes
+    like = HybridLM(config).state_dict() if args.impl == "reference" else None
     args.out.mkdir(parents=True, exist_ok=True)
     log, states, start = [], {}, time.perf_counter()
     while True:
         step = run.step
         if step in checks:
-            entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device, args.impl),
+            entry = {"step": step, "variants": gradients(model, config, probe_ids, probe_labels, device, like),
                      "mixer_max_abs": mixer_stats(model)}
             if step in saves:
                 states[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -116,15 +116,25 @@ def chunk_linear_attn_grads(
 
         with torch.autocast(q.device.type, enabled=False):
             return grads(q, k, v, log_a, initial_state, do, dfinal, scale=scale, chunk_size=chunk_size)
-    inputs = [None if t is None else t.detach().requires_grad_(True) for t in (q, k, v, log_a, initial_state)]
+    return _grads_by_rerun(
+        lambda q, k, v, log_a, h0: chunk_linear_attn(q, k, v, log_a, scale=scale, initial_state=h0,
+                                                     output_final_state=True, chunk_size=chunk_size, backend=backend),
+        (q, k, v, log_a, initial_state), (do, dfinal))
+
+
+def _grads_by_rerun(op, inputs: tuple, output_grads: tuple) -> tuple:
+    """The gradients w.r.t. ``inputs`` of ``op(*inputs)`` (a tuple of outputs) from
+    ``output_grads`` (one per output, None means zero), by running ``op`` again with autograd on:
+    the backward of an op whose output a caller kept, on a backend with no backward of its own.
+    None for a None input (and for an input the outputs do not depend on)."""
+    leaves = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
     with torch.enable_grad():
-        o, final = chunk_linear_attn(*inputs[:4], scale=scale, initial_state=inputs[4],
-                                     output_final_state=True, chunk_size=chunk_size, backend=backend)
-    pairs = [(out, g) for out, g in ((o, do), (final, dfinal)) if g is not None]
-    wanted = [t for t in inputs if t is not None]
+        outputs = op(*leaves)
+    pairs = [(out, g) for out, g in zip(outputs, output_grads, strict=True) if g is not None]
+    wanted = [t for t in leaves if t is not None]
     found = iter(torch.autograd.grad([p[0] for p in pairs], wanted, [p[1] for p in pairs], allow_unused=True)
                  if pairs else [None] * len(wanted))
-    return tuple(None if t is None else next(found) for t in inputs)
+    return tuple(None if t is None else next(found) for t in leaves)
 
 
 def chunk_delta_rule(
@@ -240,16 +250,9 @@ def selective_scan_grads(
 
         with torch.autocast(u.device.type, enabled=False):
             return grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal, delta_softplus)
-    inputs = [None if t is None else t.detach().requires_grad_(True)
-              for t in (u, delta, A, B, C, D, z, delta_bias, initial_state)]
-    with torch.enable_grad():
-        y, final = selective_scan(*inputs[:8], delta_softplus, initial_state=inputs[8],
-                                  output_final_state=True, backend=backend)
-    pairs = [(out, g) for out, g in ((y, dy), (final, dfinal)) if g is not None]
-    wanted = [t for t in inputs if t is not None]
-    found = iter(torch.autograd.grad([p[0] for p in pairs], wanted, [p[1] for p in pairs], allow_unused=True)
-                 if pairs else [None] * len(wanted))
-    return tuple(None if t is None else next(found) for t in inputs)
+    return _grads_by_rerun(
+        lambda *x: selective_scan(*x[:8], delta_softplus, initial_state=x[8], output_final_state=True, backend=backend),
+        (u, delta, A, B, C, D, z, delta_bias, initial_state), (dy, dfinal))
 
 
 def attention(
