@@ -347,7 +347,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
             best, since_best = (accuracy, 0) if accuracy > best else (best, since_best + 1)
             if best >= 0.999 or (spec.get("patience") and since_best >= spec["patience"]):
                 break
-            if out_of_time(spec, start):
+            if run.step < spec["max_steps"] and out_of_time(spec, start):  # a run at its last step has ended
                 row["stopped"] = (f"time limit {spec['run_seconds']} s" if spec.get("run_seconds") else
                                   "the invocation's --stop-at")
                 if checkpoint is not None:  # the next invocation resumes from here

@@ -359,6 +359,20 @@ def test_invocations_into_one_file_merge_their_sweeps_and_refuse_another_schedul
     capsys.readouterr()
 
 
+def test_a_run_that_reaches_its_last_step_as_time_runs_out_is_finished_not_cut(tmp_path, monkeypatch, capsys):
+    """The time limit is checked at each evaluation; at the last step the run has ended, so it is
+    neither marked cut nor leaves a checkpoint to resume (the summary counts it)."""
+    monkeypatch.setattr(bench, "out_of_time", lambda spec, start: True)
+    argv = ["--setting", "cpu-smoke", "--kinds", "attn", "--sizes", "s", "--seeds", "0", "--lrs", "3e-3",
+            "--impls", "hybridzoo", "--device", "cpu", "--name", "r", "--max-steps", "6", "--run-seconds", "1",
+            "--out-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    row = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert row["steps"] == 6 and "stopped" not in row and "resume_from" not in row
+    assert not any((tmp_path / "r-runs").glob("*.resume.pt"))
+    capsys.readouterr()
+
+
 def test_stop_at_leaves_the_runs_it_did_not_start_for_the_next_invocation(tmp_path, capsys):
     """Past --stop-at, a running run stops at its next evaluation (a checkpoint), a run not yet
     started writes no row, and the next invocation runs and finishes both."""
