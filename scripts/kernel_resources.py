@@ -59,19 +59,26 @@ def sm90_ptxas() -> Path:
 PTXAS = sm90_ptxas()
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                 maxnreg: int | None = None):
     """``kernel`` compiled for sm_90; ``types`` gives every runtime argument's Triton type
-    (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``), ``constexprs`` the rest."""
+    (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``), ``constexprs`` the rest; ``maxnreg`` (or a
+    ``"maxnreg"`` entry of ``constexprs``, which is no kernel argument) caps the registers a thread,
+    as a launch's ``maxnreg`` does."""
+    constexprs = dict(constexprs)
+    maxnreg = constexprs.pop("maxnreg", maxnreg)
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
     source = ASTSource(kernel, signature,
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
-def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
+def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+              maxnreg: int | None = None) -> dict:
     """Registers, spills, stack and shared memory of ``kernel`` compiled by :func:`compile_sm90`."""
-    compiled = compile_sm90(kernel, types, constexprs, num_warps, num_stages)
+    compiled = compile_sm90(kernel, types, constexprs, num_warps, num_stages, maxnreg)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:
@@ -185,8 +192,11 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
 # (benchmarks/results/2026-12-02-probe-scan-configs-h200.jsonl)
 # The narrow backward tiles at N = 64 spill a few tens of bytes (2-wide on 4 warps: 40 B with 3.7.1,
 # 68 B with 3.9; 4-wide on 8 warps: 24 and 12 B), where the N = 16 candidates would spill 3.7 to
-# 33 KB there (they are pruned at N = 64: selective_scan._fitting)
+# 33 KB there (they are pruned at N = 64: selective_scan._fitting). The 4-wide 1-warp backward
+# capped at 168 registers spills 436 B (3.7.1; 408 B with 3.9) and is faster where the grid fills
+# several waves (selective_scan.BWD_MAXNREG)
 SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
+                 "selective_scan _bwd_kernel BLOCK_D=4 warps=1 maxnreg=168": 448,
                  "selective_scan _bwd_kernel BLOCK_D=8 warps=2": 576,
                  "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
                  "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
@@ -225,13 +235,16 @@ def elementwise_settings():
                 ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
                 ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
             kept = scan._fitting(configs, fixed["block_t"], block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
-            settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"])} | {(c.kwargs["BLOCK_D"], c.num_warps)
-                                                                             for c in kept}
-            for block_d, warps in sorted(settings):
-                ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
+            settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"], None)} | {
+                (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
+            if kind == "fwd":
+                extra = dict(extra, STAGES=fixed["fwd_stages"], NB_LOOP=0)
+            for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
+                ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d,
+                          **({} if cap is None else {"maxnreg": cap}))
                 label = "" if block_n == 16 else f"N={block_n} "
-                yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}", kernel,
-                       types(kernel, ce), ce, warps, 3)
+                yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
+                       f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
     yield from norm_settings()
 
 

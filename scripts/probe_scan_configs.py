@@ -6,7 +6,9 @@ and warps, on CUDA: which launch settings are fastest at a shape.
     python scripts/probe_scan_configs.py --block-t 16 --module my_scan_variant --kernels bwd
 
 ``--module`` names a module laid out as ``hybridzoo.kernels.triton.selective_scan`` (the default),
-so that a rewritten kernel can be timed beside the packaged one on the same inputs.
+so that a rewritten kernel can be timed beside the packaged one on the same inputs. ``--maxnreg
+0,168`` also times each backward setting with its registers capped (0: no cap; each row's
+``maxnreg``).
 
 bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
 is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
@@ -35,6 +37,7 @@ def main() -> int:
     parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
     parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
     parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to vary")
+    parser.add_argument("--maxnreg", default="0", help="register caps to try for the backward (0: none)")
     parser.add_argument("--max-per-thread", type=int, default=128,
                         help="skip settings whose tile puts more elements on a thread")
     parser.add_argument("--module", default="hybridzoo.kernels.triton.selective_scan",
@@ -62,7 +65,7 @@ def main() -> int:
     D, bias = torch.ones(dm, device="cuda"), rand(dm, scale=0.5, dtype=torch.float32) - 4.0
     leaves = [t.requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
     dy = rand(batch, length, dm)
-    base = module._config(training=True)
+    base = dict(module._config(training=True), bwd_maxnreg=0)  # 0: no register cap
 
     def run(cfg):
         module._config = lambda training, block_n=16, cfg=cfg: cfg
@@ -73,31 +76,33 @@ def main() -> int:
     rows = []
     blocks = [int(v) for v in args.blocks.split(",")]
     warps = [int(v) for v in args.warps.split(",")]
+    caps = [int(v) for v in args.maxnreg.split(",")]
     for kernel in args.kernels.split(","):
-        for bd in blocks:
-            for w in warps:
-                per_thread = args.block_t * bd * triton.next_power_of_2(n) // (32 * w)
-                if not 4 <= per_thread <= args.max_per_thread:
-                    continue  # tiles of fewer elements than threads, or a long register spill
-                cfg = dict(base, block_t=args.block_t, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
-                row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, shape=args.shape,
-                           module=args.module)
-                try:
-                    if kernel == "fwd":
-                        ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)
-                    else:
-                        y = run(cfg)
-                        grads = torch.autograd.grad(y, leaves, dy, retain_graph=True)
-                        err = max(float((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
-                                  for g, r in zip(grads, reference))
-                        row["max_rel_err_vs_fixed"] = err
-                        ms = triton.testing.do_bench(
-                            lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), warmup=5, rep=40)
-                    row["ms"] = round(ms, 4)
-                except Exception as exc:  # noqa: BLE001 - a setting that cannot compile is a result
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for bd, w, cap in [(bd, w, cap) for bd in blocks for w in warps for cap in (caps if kernel == "bwd" else [0])]:
+            per_thread = args.block_t * bd * triton.next_power_of_2(n) // (32 * w)
+            if not 4 <= per_thread <= args.max_per_thread:
+                continue  # tiles of fewer elements than threads, or a long register spill
+            cfg = dict(base, block_t=args.block_t, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
+            if kernel == "bwd":
+                cfg["bwd_maxnreg"] = cap
+            row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
+                       module=args.module)
+            try:
+                if kernel == "fwd":
+                    ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)
+                else:
+                    y = run(cfg)
+                    grads = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+                    err = max(float((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+                              for g, r in zip(grads, reference))
+                    row["max_rel_err_vs_fixed"] = err
+                    ms = triton.testing.do_bench(
+                        lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), warmup=5, rep=40)
+                row["ms"] = round(ms, 4)
+            except Exception as exc:  # noqa: BLE001 - a setting that cannot compile is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "a") as fh:
             for row in rows:

@@ -7,6 +7,7 @@ Modules call these through the module (``launch.empty(...)``), so a test or a pr
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -126,6 +127,16 @@ def require_usable(op: str, device: torch.device, *tensors: torch.Tensor | None)
     if device.type != "cuda" and not interpret():
         raise ValueError(f"{op} (triton): inputs must be on a CUDA device (got {device}); "
                          "use backend='reference' on CPU, or set TRITON_INTERPRET=1 before importing triton")
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of the CUDA ``device`` (cached per device index)."""
+    return _sm_count_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def loop_count(n: int) -> int:

@@ -25,8 +25,6 @@ path for them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -135,15 +133,6 @@ def _settings(group: int) -> tuple[int, int, int]:
     return block_n, block_g, 16 if block_g >= 8192 else min(8, max(1, block_n * block_g // 256))
 
 
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _rows(t: torch.Tensor, name: str, dim: int) -> torch.Tensor:
     """``t [N, dim]`` with a dense last dimension (rows may be strided)."""
     if t.dim() != 2 or t.shape[1] != dim:
@@ -196,7 +185,7 @@ def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weigh
         return dx, dz, torch.zeros_like(weight) if weight_grad else None
     blocks = triton.cdiv(N, block_n)
     wanted = (INTERPRETER["programs"] if launch.interpret()
-              else triton.cdiv(PROGRAMS_PER_SM * _sm_count(x.device), D // group))  # programs per group
+              else triton.cdiv(PROGRAMS_PER_SM * launch.sm_count(x.device), D // group))  # programs per group
     steps = triton.cdiv(blocks, min(wanted, blocks))  # row blocks per program
     programs = triton.cdiv(blocks, steps)
     dw = launch.empty((programs, D), torch.float32, x.device)

@@ -7,7 +7,8 @@ Same op as :func:`hybridzoo.kernels.reference.selective_scan` (the spec), sequen
 
 Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
 
-* forward: a loop over time blocks of ``BLOCK_T`` tokens; each block loads delta/u/z
+* forward: a loop over time blocks of ``BLOCK_T`` tokens (software-pipelined when training: the
+  next block's loads are issued during this one's scan); each block loads delta/u/z
   ``[BLOCK_T, BLOCK_D]`` and B/C ``[BLOCK_T, N]``, discretises on chip (``a = exp(Δ A)``,
   ``b = Δ B u``, tiles ``[BLOCK_T, N, BLOCK_D]``: Triton then lays channels and states across a
   warp's lanes and time in each thread's registers), runs the recurrence as an associative scan
@@ -47,21 +48,24 @@ def _config(training: bool, block_n: int = 16) -> dict:
     from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
     the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
     softplus bias: ``benchmarks/results/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
-    both B2 T16384 D2048 N16 (forward 3.70 ms at 8 channels on 1 warp, backward 10.57 ms at 4
-    channels on 1 warp) and Mamba-130m's B8 T2048 D1536 N16 (0.57 ms, 4.02 ms). On a GPU the
-    channel block and warps are autotuned (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these are
-    the settings with autotuning off.
+    both B2 T16384 D2048 N16 (backward 10.57 ms at 4 channels on 1 warp) and Mamba-130m's B8
+    T2048 D1536 N16 (4.02 ms). The training forward (8 channels on 1 warp) is pipelined over two
+    stages (``fwd_stages``): 2.04 ms against 3.70 unpipelined at the first shape, 0.50 against
+    0.57 at the second (``2026-12-03-probe-scan-variants-h200.jsonl``); the inference forward is
+    not (unmeasured). The backward's register cap comes from the grid (:func:`_capped`) unless
+    ``bwd_maxnreg`` is given (0: none). On a GPU the channel block, warps and cap are autotuned
+    (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these are the settings with autotuning off.
 
     A wider state (``block_n``, the padded N, above 16) widens every ``[BLOCK_T, BLOCK_N,
     BLOCK_D]`` tile: a setting whose tile puts more elements on a thread than
     :data:`TILE_PER_THREAD` allows is replaced by the first candidate that fits (:func:`_fitting`);
     the measured settings stand wherever they fit (N up to 16)."""
     if launch.interpret():
-        return dict(block_t=8, fwd_block_d=8, fwd_warps=1, bwd_block_d=8, bwd_warps=1)
+        return dict(block_t=8, fwd_block_d=8, fwd_warps=1, fwd_stages=1, bwd_block_d=8, bwd_warps=1)
     if not training:
-        cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8)
+        cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     else:
-        cfg = dict(block_t=16, fwd_block_d=8, fwd_warps=1, bwd_block_d=4, bwd_warps=1)
+        cfg = dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
             if _per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], block_n, cfg[f"{kind}_warps"]) > TILE_PER_THREAD[kind][1]:
@@ -79,8 +83,15 @@ def _config(training: bool, block_n: int = 16) -> dict:
 # does not spill, the 4-wide on 8 holds 16 and spills 16 to 32 B (the 2-wide on 4 warps spilled
 # 460 B with Triton 3.9 and is no candidate).
 FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 2), (4, 8))]
+# The 4-wide 1-warp backward holds 255 registers a thread, so 8 programs share an SM. Capped at
+# BWD_MAXNREG (it then spills some 440 B), 12 do: faster where the grid fills several such waves
+# (B8 T2048 D1536: 3.40 against 3.97 ms), slower where it fills about one (B2 T16384 D2048: 12.15
+# against 10.42 ms; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl). Both are
+# candidates; with autotuning off, the cap is taken from BWD_CAP_WAVES waves of uncapped programs.
+BWD_MAXNREG, BWD_CAP_WAVES = 168, 2
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
                for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8))]
+BWD_CONFIGS.insert(1, triton.Config({"BLOCK_D": 4}, num_warps=1, maxnreg=BWD_MAXNREG))
 # Tile elements ([BLOCK_T, BLOCK_N, BLOCK_D] over 32 * num_warps threads) a setting may put on a
 # thread, (fewest, most): the backward keeps about twice as many tiles live as the forward; fewer
 # than 8 leaves threads idle (at N = 16 this keeps exactly the probe's candidates).
@@ -138,6 +149,7 @@ def _fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr, NB_LOOP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -160,8 +172,8 @@ def _fwd_kernel(
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
-    blk = 0
-    while blk < NB:  # (a while loop: Triton 3.6's interpreter cannot range() over a runtime int with NumPy 2.4)
+    # software-pipelined over time blocks (STAGES): the next block's loads overlap this one's scan
+    for blk in tl.range(0, NB_LOOP if NB_LOOP > 0 else NB, num_stages=STAGES):
         if STORE_CKPT:  # the state entering this block
             tl.store(ckpt_ptr + (b * NB + blk) * DM * N + dn, h, mask=dn_mask)
         t = blk * BLOCK_T + rows
@@ -189,7 +201,6 @@ def _fwd_kernel(
             y = y * zv * tl.sigmoid(zv)
         tl.store(y_ptr + off, y, mask=m2)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
-        blk += 1
     tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask)
 
 
@@ -310,6 +321,15 @@ def _bwd_kernel(
         tl.store(dbias_ptr + b * DM + d, dbias_acc, mask=dmask)
 
 
+def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
+    """Whether the backward at the fixed setting ``cfg`` runs with its registers capped at
+    :data:`BWD_MAXNREG`: the measured 4-wide 1-warp tile (N up to 16) on a grid of ``programs``
+    that fills at least :data:`BWD_CAP_WAVES` waves of 8 uncapped programs per SM."""
+    if launch.interpret() or (cfg["bwd_block_d"], cfg["bwd_warps"]) != (4, 1) or n > 16:
+        return False
+    return programs >= BWD_CAP_WAVES * 8 * launch.sm_count(device)
+
+
 def _grid_shape(batch, groups, per_group):
     return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]))
 
@@ -340,7 +360,8 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
         length, dm, n, groups, per_group, n_blocks,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
-        BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+        BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
+        NB_LOOP=launch.loop_count(n_blocks),
         fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
     )
     return y, final, ckpt
@@ -358,6 +379,12 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
                          f"expected {(batch, triton.cdiv(length, cfg['block_t']), dm, n)} for these inputs")
     per_group = dm // groups
     dev = u.device
+    fixed = dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"])
+    if cfg.get("bwd_maxnreg"):
+        fixed["maxnreg"] = cfg["bwd_maxnreg"]
+    elif "bwd_maxnreg" not in cfg and _capped(batch * groups * triton.cdiv(per_group, cfg["bwd_block_d"]),
+                                               cfg, A.shape[1], dev):
+        fixed["maxnreg"] = BWD_MAXNREG
     du = launch.empty(u.shape, u.dtype, dev)
     ddelta = launch.empty(delta.shape, delta.dtype, dev)
     dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
@@ -380,7 +407,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
         BLOCK_T=cfg["block_t"], BLOCK_N=max(triton.next_power_of_2(n), 2),
-        fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
+        fixed=fixed,
     )
     return (
         du, ddelta, dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

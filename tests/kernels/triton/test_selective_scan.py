@@ -363,11 +363,13 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)  # the GPU settings, not the interpreter's
     pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
     for n in (2, 4, 8, 16):
-        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=8, fwd_warps=1, bwd_block_d=4, bwd_warps=1)
-        assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8)
-    for kind, configs in (("fwd", scan.FWD_CONFIGS), ("bwd", scan.BWD_CONFIGS)):
+        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4,
+                                             bwd_warps=1)
+        assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
+    for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 4), ("bwd", scan.BWD_CONFIGS, 5)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
-        assert pairs(kept) == pairs(configs[:4])
+        assert pairs(kept) == pairs(configs[:count])
+    assert [c.maxnreg for c in scan.BWD_CONFIGS[:2]] == [None, scan.BWD_MAXNREG]
     for n in (32, 64, 128, 256, 1024):
         for training in (True, False):
             cfg = scan._config(training, n)
@@ -384,3 +386,33 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
             assert all(x <= scan.TILE_PER_THREAD[kind][1] for x in loads) or len(kept) == 1, (n, kind, loads)
     assert scan._per_thread(16, 4, 64, 1) == 128  # the N = 16 backward setting at N = 64
     assert pairs(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=64)) == [(2, 8), (4, 8)]
+
+
+def test_backward_register_cap_follows_the_grid(monkeypatch):
+    """With autotuning off, the backward's 4-wide 1-warp setting runs capped at BWD_MAXNREG
+    registers where its grid fills at least BWD_CAP_WAVES waves of 8 programs per SM (B8 T2048
+    D1536 on an H200's 132 SMs: 3072 programs), uncapped below (B2 D2048: 1024), never for a wider
+    state or another setting, and as given where the settings name a cap (0: none). The launch is
+    captured, not run (no GPU needed)."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    monkeypatch.setattr(scan.launch, "interpret", lambda: False)
+    monkeypatch.setattr(scan.launch, "sm_count", lambda device: 132)
+    launches = []
+    monkeypatch.setattr(scan.launch, "run", lambda kernel, grid, *args, fixed, **consts: launches.append(fixed))
+
+    def cap(batch, dm, n=16, cfg=None):
+        if cfg is not None:
+            monkeypatch.setattr(scan, "_config", lambda training, block_n=16: cfg)
+        u = torch.zeros(batch, 16, dm)
+        A, B = torch.zeros(dm, n), torch.zeros(batch, 16, 1, n)
+        ckpt = torch.zeros(batch, 1, dm, n)
+        scan._backward(u, u, A, B, B, None, None, None, True, ckpt, u, None, None)
+        return launches[-1].get("maxnreg")
+
+    assert cap(8, 1536) == scan.BWD_MAXNREG and cap(2, 2048) is None
+    assert cap(8, 1536, n=64) is None  # another tile at N = 64
+    base = dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1)
+    assert cap(8, 1536, cfg=dict(base, bwd_block_d=8, bwd_warps=2)) is None
+    assert cap(8, 1536, cfg=dict(base, bwd_maxnreg=0)) is None and cap(2, 2048, cfg=dict(base, bwd_maxnreg=168)) == 168
