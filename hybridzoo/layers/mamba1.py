@@ -36,13 +36,6 @@ from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
 
 
-KEEP_SCAN_STATES = True
-"""A recomputed Mamba-1 mixer keeps the scan's saved states (with our Triton backend one float32
-state per channel and 16 tokens: ``d_state * d_inner / 4`` bytes per token) so that its backward
-does not run the scan's forward again; False recomputes them instead (less memory, a second scan
-forward in every backward)."""
-
-
 @dataclass
 class Mamba1Config:
     """Settings of a :class:`Mamba1` mixer (mamba_ssm ``Mamba`` defaults).
@@ -59,6 +52,11 @@ class Mamba1Config:
         dt_init: ``"random"`` (uniform in ``±std``) or ``"constant"`` (all ``std``).
         conv_bias: bias in the conv.
         bias: bias in ``in_proj`` and ``out_proj``.
+        keep_scan_states: when the mixer runs recomputed (training), keep the scan's saved
+            states (with the Triton backend one float32 state per channel and 16 tokens:
+            ``d_state * d_inner / 4`` bytes per token) so that the backward does not run the
+            scan's forward again; False recomputes them instead (less memory, a second scan
+            forward in every backward). Results are the same either way.
     """
 
     d_state: int = 16
@@ -72,6 +70,7 @@ class Mamba1Config:
     dt_init: str = "random"
     conv_bias: bool = True
     bias: bool = False
+    keep_scan_states: bool = True
 
 
 class Mamba1(Mixer):
@@ -199,7 +198,7 @@ class Mamba1(Mixer):
                 u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0],
                 delta_bias=dt_proj_bias, delta_softplus=True, state=recurrent)
             return y[:, None], conv_tail, recurrent
-        if keep is not None and KEEP_SCAN_STATES:  # recomputed: the first run's saved states
+        if keep is not None and self.config.keep_scan_states:  # recomputed: the first run's saved states
             y, recurrent, _ = keep.op(self._scan_saved, self._scan_grads, (u, delta, A, B, C, D, z, dt_proj_bias,
                                       recurrent), keep_values=(False, False, True), grads_take_outputs=True)
             return y, conv_tail, recurrent

@@ -32,10 +32,10 @@ from hybridzoo.utils import rel_err
 BATCH, LENGTH, D_MODEL = 1, 8, 16
 
 
-def build(kind: str, backend: str):
+def build(kind: str, backend: str, keep_scan_states: bool = True):
     if kind == "mamba2":
         return Mamba2(D_MODEL, Mamba2Config(d_state=8, head_dim=8, n_groups=2, chunk_size=16), backend=backend)
-    return Mamba1(D_MODEL, Mamba1Config(d_state=4), backend=backend)
+    return Mamba1(D_MODEL, Mamba1Config(d_state=4, keep_scan_states=keep_scan_states), backend=backend)
 
 
 def mamba_ssm_budget(mixer) -> float:
@@ -63,15 +63,13 @@ def saved_bytes_per_token(mixer) -> float:
 
 def kept_scan_state_bytes(mixer, backend: str) -> float:
     """Bytes per token a recomputed Mamba-1 mixer keeps so that its backward skips the scan's
-    forward (``KEEP_SCAN_STATES``): with the Triton backend one float32 state ``[d_inner, N]`` per
+    forward (``Mamba1Config.keep_scan_states``): with the Triton backend one float32 state ``[d_inner, N]`` per
     time block of the scan (8 tokens under the interpreter, 16 on a GPU); none otherwise."""
     import importlib
 
-    from hybridzoo.layers import mamba1
-
     triton_scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
 
-    if not isinstance(mixer, Mamba1) or backend != "triton" or not mamba1.KEEP_SCAN_STATES:
+    if not isinstance(mixer, Mamba1) or backend != "triton" or not mixer.config.keep_scan_states:
         return 0.0
     return 4 * mixer.d_inner * mixer.d_state / triton_scan._config(training=True)["block_t"]
 
@@ -79,16 +77,13 @@ def kept_scan_state_bytes(mixer, backend: str) -> float:
 @pytest.mark.parametrize("keep_scan_states", [True, False])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
-def test_saved_bytes_per_token_within_mamba_ssm_budget(kind, backend, keep_scan_states, monkeypatch):
+def test_saved_bytes_per_token_within_mamba_ssm_budget(kind, backend, keep_scan_states):
     """The layer input x is fp32 here (counted apart, as a parameter-like given): the budget counts
     in_proj's bf16 copy of it, as mamba_ssm's does. Mamba-1 on the Triton backend may keep its
     scan's block states on top (:func:`kept_scan_state_bytes`); without them it is within
     mamba_ssm's budget itself."""
-    from hybridzoo.layers import mamba1
-
-    monkeypatch.setattr(mamba1, "KEEP_SCAN_STATES", keep_scan_states)
     torch.manual_seed(0)
-    mixer = build(kind, backend)
+    mixer = build(kind, backend, keep_scan_states)
     measured = saved_bytes_per_token(mixer)
     budget = mamba_ssm_budget(mixer) + kept_scan_state_bytes(mixer, backend)
     assert measured <= budget, f"{kind} ({backend}): {measured} bytes per token saved, budget {budget}"
@@ -123,10 +118,11 @@ def grads(mixer, x, state, lean: bool, monkeypatch):
     return y.detach(), named
 
 
-@pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
-def test_recomputing_path_has_the_plain_gradients_float64(kind, monkeypatch):
+@pytest.mark.parametrize("kind, keep_scan_states", [("mamba1", True), ("mamba1", False), ("mamba2", True)])
+def test_recomputing_path_has_the_plain_gradients_float64(kind, keep_scan_states, monkeypatch):
+    """Mamba-1 whether it keeps its scan's saved states or recomputes them."""
     torch.manual_seed(0)
-    mixer = build(kind, "reference").double()
+    mixer = build(kind, "reference", keep_scan_states).double()
     x = torch.randn(BATCH, 21, D_MODEL, dtype=torch.float64)
     shapes = mixer.expected_state(BATCH, torch.float64)
     state = RecurrentState(kind=kind, recurrent=torch.randn(shapes["recurrent"][0], dtype=torch.float64),
