@@ -59,14 +59,13 @@ def sm90_ptxas() -> Path:
 PTXAS = sm90_ptxas()
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-                 maxnreg: int | None = None):
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
     """``kernel`` compiled for sm_90; ``types`` gives every runtime argument's Triton type
-    (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``), ``constexprs`` the rest; ``maxnreg`` (or a
-    ``"maxnreg"`` entry of ``constexprs``, which is no kernel argument) caps the registers a thread,
-    as a launch's ``maxnreg`` does."""
+    (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``), ``constexprs`` the rest; a ``"maxnreg"``
+    entry of ``constexprs`` (no kernel argument) caps the registers a thread, as a launch's
+    ``maxnreg`` does."""
     constexprs = dict(constexprs)
-    maxnreg = constexprs.pop("maxnreg", maxnreg)
+    maxnreg = constexprs.pop("maxnreg", None)
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
     source = ASTSource(kernel, signature,
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -75,10 +74,9 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
-def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-              maxnreg: int | None = None) -> dict:
+def resources(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
     """Registers, spills, stack and shared memory of ``kernel`` compiled by :func:`compile_sm90`."""
-    compiled = compile_sm90(kernel, types, constexprs, num_warps, num_stages, maxnreg)
+    compiled = compile_sm90(kernel, types, constexprs, num_warps, num_stages)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:
