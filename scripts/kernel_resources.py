@@ -212,7 +212,7 @@ def elementwise_settings():
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
             "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
-    ints = {"T", "DM", "NTB", "N", "G", "PER_GROUP", "NB"}
+    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB"}
 
     def types(kernel, constexprs):
         return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"
@@ -226,6 +226,12 @@ def elementwise_settings():
             ce = dict(flags, BLOCK_T=st["BLOCK_T"], BLOCK_D=st["BLOCK_D"])
             yield (f"conv {kernel.__name__} BLOCK_T={st['BLOCK_T']} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']}",
                    kernel, types(kernel, ce), ce, st["num_warps"], 3)
+    seq = [conv.FIXED["seq"]] + [dict(c.kwargs, num_warps=c.num_warps) for c in conv.SEQ_CONFIGS]
+    for st in sorted({tuple(sorted(x.items())) for x in seq}):
+        st = dict(st)
+        ce = dict(flags, CHUNK=st["CHUNK"], BLOCK_D=st["BLOCK_D"], UNROLL=st["UNROLL"])
+        yield (f"conv _bwd_seq_kernel CHUNK={st['CHUNK']} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']} "
+               f"unroll={st['UNROLL']}", conv._bwd_seq_kernel, types(conv._bwd_seq_kernel, ce), ce, st["num_warps"], 3)
     for block_n in (16, 64):  # Mamba-1's d_state 16, and 64 (mqar-mamba1-l)
         flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n)
         fixed = scan._config(training=True, block_n=block_n)

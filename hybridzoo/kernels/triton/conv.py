@@ -9,11 +9,19 @@ where positions before 0 read ``initial_state`` ``[B, W-1, Dm]`` (zeros if None)
 * forward: one program per (batch, block of ``BLOCK_T`` tokens, block of ``BLOCK_D`` channels);
   the ``W`` shifted tiles are loaded (from ``x`` or, before position 0, from the tail) and
   summed in float32.
-* backward: one program per (batch, block of positions of ``cat(initial_state, x)``, block of
-  channels): ``dx_s = Σ_i weight[i] · dpre_{s+W-1-i}``, the rows before position 0 being the
-  initial-state gradient; ``dpre = dy · act'(pre)`` is recomputed on chip (``W`` taps each),
-  never stored. Each program also sums ``dpre_t · x_{t-W+1+i}`` over its own rows for the
-  weight gradient (and ``dpre_t`` for the bias); those per-block partial sums are added in torch.
+* backward (``W <= 4``, the widths of Mamba, Gated DeltaNet and causal_conv1d): one program per
+  (batch, chunk of ``CHUNK`` steps, block of ``BLOCK_D`` channels) walks its steps in order, one
+  row of ``BLOCK_D`` channels at a time, ``UNROLL`` steps unrolled so that their loads overlap.
+  Step ``t`` loads ``x_t`` and ``dy_t`` once, forms ``dpre_t = dy_t · act'(pre_t)`` from the
+  ``W`` inputs it holds in registers, and completes ``dx_{t-W+1} = Σ_k weight[:, W-1-k] ·
+  dpre_{t-W+1+k}`` from the ``W`` gradients it holds (position ``t − W + 1 < 0``: the
+  initial-state gradient); it adds ``dpre_t · x_{t-k}`` to the weight gradient's ``W`` sums and
+  ``dpre_t`` to the bias's. A chunk first replays ``UNROLL`` steps before it (their outputs
+  belong to the chunk before) to fill what it holds. Each element is read once and activated
+  once; per-chunk partial weight and bias sums are added in torch.
+* backward, ``W > 4``: one program per (batch, block of ``BLOCK_T`` positions, block of channels)
+  recomputes ``dpre`` at the ``W`` shifts each position needs (``W`` taps each) and sums
+  ``dx_s = Σ_i weight[i] · dpre_{s+W-1-i}`` and its rows' partial weight and bias sums.
 * launch settings: see :data:`FWD_CONFIGS` (autotuned on a GPU, fixed under the interpreter).
 * ``final_state`` (the last ``W − 1`` inputs, an exact copy) is sliced in torch, so its
   gradient flows back by autograd.
@@ -41,13 +49,26 @@ FWD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_D": d}, num_warps=w)
                for t, d, w in ((32, 128, 4), (16, 256, 8), (32, 256, 8), (64, 64, 8), (16, 128, 4))]
 BWD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_D": d}, num_warps=w)
                for t, d, w in ((16, 128, 8), (16, 256, 8), (32, 64, 8), (16, 64, 8), (64, 32, 8), (16, 64, 4))]
-FIXED = {"fwd": dict(BLOCK_T=32, BLOCK_D=128, num_warps=4), "bwd": dict(BLOCK_T=16, BLOCK_D=128, num_warps=8)}
+# The step-ordered backward (W <= 4): CHUNK steps of BLOCK_D channels per program, UNROLL steps
+# unrolled per loop trip so that their loads are in flight together (Triton's pipeliner leaves
+# this loop's loads alone). Short chunks give a grid of several programs per SM at the models'
+# shapes (B8 T2048 over 1536 channels: 864 programs at CHUNK 256 x 128 channels, 3,168 at CHUNK
+# 64), at the price of replaying UNROLL steps per chunk.
+SEQ_CONFIGS = [triton.Config({"CHUNK": c, "BLOCK_D": d, "UNROLL": u}, num_warps=w)
+               for c, d, w, u in ((64, 128, 1, 4), (64, 64, 1, 8), (128, 128, 1, 8), (32, 128, 1, 4),
+                                  (64, 256, 2, 4), (128, 256, 2, 8), (32, 64, 1, 4))]
+FIXED = {"fwd": dict(BLOCK_T=32, BLOCK_D=128, num_warps=4), "bwd": dict(BLOCK_T=16, BLOCK_D=128, num_warps=8),
+         "seq": dict(CHUNK=64, BLOCK_D=128, UNROLL=4, num_warps=1)}
 INTERPRETER = dict(BLOCK_T=8, BLOCK_D=8, num_warps=1)
+INTERPRETER_SEQ = dict(CHUNK=8, BLOCK_D=8, UNROLL=4, num_warps=1)
+SEQ_MAX_WIDTH = 4  # widths the step-ordered backward takes (it holds W rows of inputs and gradients)
 TUNE_KEY = ["DM", "W", "HAS_BIAS", "HAS_S0", "SILU"]
 
 
 def _fixed(kind: str) -> dict:
-    return INTERPRETER if launch.interpret() else FIXED[kind]
+    if launch.interpret():
+        return INTERPRETER_SEQ if kind == "seq" else INTERPRETER
+    return FIXED[kind]
 
 
 @triton.jit
@@ -140,7 +161,113 @@ def _bwd_kernel(
         tl.store(db_ptr + part, tl.sum(dpre, axis=0), mask=dmask)
 
 
+@triton.jit
+def _pick(k: tl.constexpr, v0, v1, v2, v3):
+    """The ``k``-th of four values (``k`` a constexpr)."""
+    if k == 0:
+        return v0
+    elif k == 1:
+        return v1
+    elif k == 2:
+        return v2
+    else:
+        return v3
+
+
+@triton.jit
+def _row(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.constexpr):
+    """``cat(initial_state, x)`` at the one position ``pos`` of x (negative: the tail) for
+    channels ``d``, float32 ``[BLOCK_D]`` (zero outside)."""
+    v = tl.load(x_ptr + (b * T + pos) * DM + d, mask=dmask & (pos >= 0) & (pos < T), other=0.0).to(tl.float32)
+    if HAS_S0:
+        v += tl.load(s0_ptr + (b * (W - 1) + (W - 1) + pos) * DM + d,
+                     mask=dmask & (pos < 0) & (pos >= 1 - W), other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _bwd_seq_kernel(
+    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, NCH,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """Steps ``t`` of chunk ``c`` (``[c·CHUNK, (c+1)·CHUNK)``, after ``UNROLL >= W − 1`` replayed
+    ones; ``CHUNK`` a multiple of ``UNROLL``); ``v_k = weight[:, W-1-k]`` multiplies ``x_{t-k}``.
+    Held across steps (``[BLOCK_D]`` float32
+    each): ``x_{t-1..t-3}`` and ``dpre_{t-1..t-3}`` (those past ``W − 1`` unused), the weight
+    gradient's sums ``a_k`` and the bias's."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DM
+    t0 = c * CHUNK
+    start = t0 - UNROLL
+    zero = tl.zeros([BLOCK_D], dtype=tl.float32)
+    v0 = tl.load(w_ptr + d * W + (W - 1), mask=dmask, other=0.0).to(tl.float32)
+    v1, v2, v3 = zero, zero, zero
+    xm1, xm2, xm3 = zero, zero, zero
+    if W > 1:
+        v1 = tl.load(w_ptr + d * W + (W - 2), mask=dmask, other=0.0).to(tl.float32)
+        xm1 = _row(x_ptr, s0_ptr, b, start - 1, d, dmask, T, DM, W, HAS_S0)
+    if W > 2:
+        v2 = tl.load(w_ptr + d * W + (W - 3), mask=dmask, other=0.0).to(tl.float32)
+        xm2 = _row(x_ptr, s0_ptr, b, start - 2, d, dmask, T, DM, W, HAS_S0)
+    if W > 3:
+        v3 = tl.load(w_ptr + d * W + (W - 4), mask=dmask, other=0.0).to(tl.float32)
+        xm3 = _row(x_ptr, s0_ptr, b, start - 3, d, dmask, T, DM, W, HAS_S0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    p1, p2, p3 = zero, zero, zero
+    a0, a1, a2, a3, db = zero, zero, zero, zero, zero
+    for trip in tl.range(0, CHUNK // UNROLL + 1):
+        for j in tl.static_range(UNROLL):
+            t = start + trip * UNROLL + j
+            x0 = _row(x_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_S0)
+            dy = tl.load(dy_ptr + (b * T + t) * DM + d, mask=dmask & (t >= 0) & (t < T), other=0.0).to(tl.float32)
+            if SILU:
+                pre = v0 * x0
+                if W > 1:
+                    pre += v1 * xm1
+                if W > 2:
+                    pre += v2 * xm2
+                if W > 3:
+                    pre += v3 * xm3
+                if HAS_BIAS:
+                    pre += bias
+                sig = tl.sigmoid(pre)
+                p0 = dy * sig * (1.0 + pre * (1.0 - sig))
+            else:
+                p0 = dy
+            # dx at s = t - W + 1: Σ_k v_k dpre_{s+k}, dpre_{s+k} being the one held W - 1 - k steps back
+            dx = zero
+            for k in tl.static_range(W):
+                dx += _pick(k, v0, v1, v2, v3) * _pick(W - 1 - k, p0, p1, p2, p3)
+            s = t - (W - 1)
+            own = t >= t0  # steps before t0 replay the chunk before's
+            tl.store(dx_ptr + (b * T + s) * DM + d, dx, mask=dmask & own & (s >= 0) & (s < T))
+            if HAS_S0:
+                tl.store(ds0_ptr + (b * (W - 1) + (W - 1) + s) * DM + d, dx, mask=dmask & own & (s < 0))
+            pk = tl.where(own, p0, 0.0)
+            a0 += pk * x0
+            a1 += pk * xm1
+            a2 += pk * xm2
+            a3 += pk * xm3
+            db += pk
+            xm3 = xm2
+            xm2 = xm1
+            xm1 = x0
+            p3 = p2
+            p2 = p1
+            p1 = p0
+    part = (b * NCH + c) * DM + d  # partial-sum row of this program
+    for k in tl.static_range(W):
+        tl.store(dw_ptr + part * W + (W - 1 - k), _pick(k, a0, a1, a2, a3), mask=dmask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part, db, mask=dmask)
+
+
 _fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY)
+_bwd_seq = launch.autotuned(_bwd_seq_kernel, SEQ_CONFIGS, TUNE_KEY)
 _bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY)
 
 
@@ -167,22 +294,24 @@ class _CausalConv1dFn(torch.autograd.Function):
         x, weight, bias, initial_state = ctx.saved_tensors
         batch, length, dm = x.shape
         width = weight.shape[1]
-        # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
-        # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, BLOCK_T)
-        min_block_t = min([_fixed("bwd")["BLOCK_T"]] + [c.kwargs["BLOCK_T"] for c in BWD_CONFIGS])
-        rows = triton.cdiv(length + width - 1, min_block_t)
         dx = launch.empty(x.shape, x.dtype, x.device)
         ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
+        seq = width <= SEQ_MAX_WIDTH
+        kernel, configs, span = (_bwd_seq, SEQ_CONFIGS, "CHUNK") if seq else (_bwd, BWD_CONFIGS, "BLOCK_T")
+        # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
+        # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, block)
+        fixed = _fixed("seq" if seq else "bwd")
+        rows = triton.cdiv(length + width - 1, min([fixed[span]] + [c.kwargs[span] for c in configs]))
         dw = launch.empty((batch, rows, dm, width), torch.float32, x.device)
         db = None if bias is None else launch.empty((batch, rows, dm), torch.float32, x.device)
         used = launch.run(
-            _bwd, lambda a: (batch, triton.cdiv(length + width - 1, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
+            kernel, lambda a: (batch, triton.cdiv(length + width - 1, a[span]), triton.cdiv(dm, a["BLOCK_D"])),
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
             dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
             length, dm, rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
-            SILU=ctx.silu, fixed=_fixed("bwd"),
+            SILU=ctx.silu, fixed=fixed,
         )
-        filled = triton.cdiv(length + width - 1, used["BLOCK_T"])
+        filled = triton.cdiv(length + width - 1, used[span])
         dweight = dw[:, :filled].sum((0, 1)).to(weight.dtype)
         dbias = None if bias is None else db[:, :filled].sum((0, 1)).to(bias.dtype)
         return dx, dweight, dbias, ds0, None

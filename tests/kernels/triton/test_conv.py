@@ -60,7 +60,7 @@ def _check_against_loop(x, activation, tol=1e-5, weights=(1.0, 1.0)):
         assert rel_err(leaf.grad, torch.zeros_like(ref_in[name]) if ref is None else ref) <= tol, name
 
 
-@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("width", [2, 4, 5])  # 5: the tiled backward (W > 4), else the step-ordered one
 @pytest.mark.parametrize("length", [19, 2])  # 2 < W - 1 = 3: the final state mixes tail and x
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_matches_loop(width, length, activation):
@@ -113,7 +113,7 @@ def test_dispatch_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("dm,width", [(2048, 4), (256, 2)])
+@pytest.mark.parametrize("dm,width", [(2048, 4), (256, 2), (320, 5)])
 def test_gpu_real_shapes(monkeypatch, dtype, tol, dm, width):
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     x = _inputs(batch=2, length=16384, dm=dm, width=width, seed=8, dtype=dtype, device="cuda")
@@ -135,22 +135,24 @@ def test_gpu_real_shapes(monkeypatch, dtype, tol, dm, width):
 @pytest.mark.parametrize("autotune", [False, True], ids=["each-setting", "autotuner"])
 def test_gpu_every_launch_setting(monkeypatch, autotune):
     """Each forward and backward setting the autotuner may pick (i-th of each together), and the
-    autotuner itself, at a length no tile divides; bf16 against the float64 reference."""
+    autotuner itself, at a length no tile divides; bf16 against the float64 reference. Width 4
+    runs the step-ordered backward, width 5 the tiled one."""
     import hybridzoo.kernels.triton.conv as conv
 
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
-    configs_of = {conv._fwd: conv.FWD_CONFIGS, conv._bwd: conv.BWD_CONFIGS}
+    configs_of = {conv._fwd: conv.FWD_CONFIGS, conv._bwd: conv.BWD_CONFIGS, conv._bwd_seq: conv.SEQ_CONFIGS}
     for i in tuning_rounds(monkeypatch, configs_of, each=not autotune):
-        x = _inputs(batch=2, length=1000, dm=300, width=4, seed=10, dtype=torch.bfloat16, device="cuda")
-        tri_in, ref_in = _leaves(x), _leaves(x, F64)
-        y, s = _run(causal_conv1d, tri_in, "silu")
-        y_ref, s_ref = _run(reference_conv, ref_in, "silu")
-        assert rel_err(y, y_ref) <= 1e-2, i
-        gy = torch.randn_like(y_ref)
-        (y.to(F64) * gy).sum().backward()
-        (y_ref * gy).sum().backward()
-        for name, leaf in tri_in.items():
-            assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, i)
+        for width in (4, 5):
+            x = _inputs(batch=2, length=1000, dm=300, width=width, seed=10, dtype=torch.bfloat16, device="cuda")
+            tri_in, ref_in = _leaves(x), _leaves(x, F64)
+            y, s = _run(causal_conv1d, tri_in, "silu")
+            y_ref, s_ref = _run(reference_conv, ref_in, "silu")
+            assert rel_err(y, y_ref) <= 1e-2, (i, width)
+            gy = torch.randn_like(y_ref)
+            (y.to(F64) * gy).sum().backward()
+            (y_ref * gy).sum().backward()
+            for name, leaf in tri_in.items():
+                assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, (name, i, width)
 
 
 @pytest.mark.gpu
