@@ -6,7 +6,9 @@
 fp32 weights, bf16 autocast, ``--batch`` sequences (1) of ``--tokens`` tokens, random tokens, one warm-up step (compilation) then one
 timed and one profiled step; prints the step time and the table of the 30 kernels that took the
 most GPU time. ``--seco <chunk>``: the step is ``seco_step(model, batch, chunk)`` (SeCO, exact
-chunked training) instead of one forward + backward of the whole sequence.
+chunked training) instead of one forward + backward of the whole sequence. ``--peer``: profile
+instead the peer model of the recipe's pair in ``python -m benchmarks models`` (mamba_ssm's,
+fla's or transformers' model of the same shape), for a side-by-side reading of the two tables.
 """
 
 from __future__ import annotations
@@ -31,16 +33,31 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--seco", type=int, default=None, metavar="CHUNK",
                         help="profile seco_step with this chunk size instead of full backprop")
+    parser.add_argument("--peer", action="store_true",
+                        help="profile the peer model of the recipe's pair in `python -m benchmarks models`")
     args = parser.parse_args()
-    model = HybridLM.from_recipe(args.recipe).cuda()
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens), device="cuda")
+    if args.peer and args.seco:
+        parser.error("--peer profiles full backprop; it does not take --seco")
+    from benchmarks.models import PAIRS, loss_of
+
+    kind = "hybridzoo"
+    if args.peer:
+        if args.recipe not in PAIRS:
+            parser.error(f"--peer: {args.recipe!r} has no pair; pairs: {', '.join(PAIRS)}")
+        pair = PAIRS[args.recipe]
+        with torch.device("cuda"):
+            model, kind = pair.peer(pair.ours(False))
+        model = model.to(dtype=torch.float32)
+    else:
+        model = HybridLM.from_recipe(args.recipe).cuda()
+    ids = torch.randint(0, 256, (args.batch, args.tokens), device="cuda")  # ids < every vocabulary
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if args.seco:
                 seco_step(model, {"input_ids": ids, "labels": ids}, args.seco)
             else:
-                model(ids, labels=ids)[2].backward()
+                loss_of(model, kind, ids).backward()
         model.zero_grad(set_to_none=True)
 
     step()
@@ -56,7 +73,8 @@ def main() -> int:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     how = f"seco_step chunk {args.seco}" if args.seco else "full backprop"
     tokens = args.batch * args.tokens
-    text = (f"{args.recipe}: {args.batch} x {args.tokens} tokens, {how}, step {wall * 1e3:.1f} ms "
+    name = f"{args.recipe} peer ({PAIRS[args.recipe].peer_name})" if args.peer else args.recipe
+    text = (f"{name}: {args.batch} x {args.tokens} tokens, {how}, step {wall * 1e3:.1f} ms "
             f"({tokens / wall:,.0f} tokens/s)\n{table}")
     print(text)
     if args.out:
