@@ -22,8 +22,12 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
   gradients on chip; ``a_t h_{t-1}`` is the one-step difference ``h_t − Δ_t B_t u_t`` (as in
   mamba_ssm).
   dA, dD, d(delta_bias) are summed per program then over the batch in torch; dB and dC (sums
-  over channels) are accumulated with float32 atomics. The initial-state gradient is
-  ``exp(Δ_0 A) g_0``.
+  over channels) are accumulated with float32 atomics, relaxed: with Triton's default
+  (``acq_rel``) each of them compiles for sm_90 to an atomic that waits for its result, behind a
+  ``MEMBAR.ALL.GPU`` that drains the thread's memory traffic and a ``CCTL.IVALL`` that empties
+  the L1 cache the next block's loads hit (16 of each per time block at the 16 x 16 x 4 tile);
+  relaxed, they are fire-and-forget reductions (``REDG``). The sums need no ordering: they are
+  read after the kernel ends. The initial-state gradient is ``exp(Δ_0 A) g_0``.
 
 States are float32 whatever the input dtype; inputs may be float16/bfloat16/float32.
 """
@@ -305,8 +309,8 @@ def _bwd_kernel(
         dbias_acc += tl.sum(ddt, axis=0)
         tl.store(du_ptr + off, du, mask=m2)
         tl.store(ddelta_ptr + off, ddt, mask=m2)
-        tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask)
-        tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask)
+        tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask, sem="relaxed")
+        tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask, sem="relaxed")
         blk -= 1
     # initial-state gradient: exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)

@@ -84,3 +84,28 @@ print('OK')
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel ships no ptxas")
+def test_selective_scan_backward_atomics_are_relaxed():
+    """The selective scan's backward adds dB and dC with relaxed atomics: Triton's default
+    (acq_rel) compiles for sm_90 to an atomic that waits for its result behind a full memory
+    barrier and an L1 invalidation, 16 times per time block."""
+    script = """
+import sys
+sys.path.insert(0, 'scripts')
+import kernel_resources as kr
+name, kernel, types, constexprs, warps, stages = next(
+    s for s in kr.elementwise_settings() if s[0].startswith('selective_scan _bwd_kernel BLOCK_D=4 warps=1'))
+ptx = kr.compile_sm90(kernel, types, constexprs, warps, stages).asm['ptx']
+atomics = [line for line in ptx.splitlines() if 'atom.global' in line or 'red.global' in line]
+print(len(atomics), sum('relaxed' in line for line in atomics))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / "hybridzoo-sm90-triton-cache")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    total, relaxed = map(int, result.stdout.split()[-2:])
+    assert total > 0 and relaxed == total, result.stdout
