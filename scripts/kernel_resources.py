@@ -192,14 +192,16 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
 # 68 B with 3.9; 4-wide on 8 warps: 24 and 12 B), where the N = 16 candidates would spill 3.7 to
 # 33 KB there (they are pruned at N = 64: selective_scan._fitting). The 4-wide 1-warp backward
 # capped at 168 registers spills 436 B (3.7.1; 408 B with 3.9) and is faster where the grid fills
-# several waves (selective_scan.BWD_MAXNREG)
+# several waves (selective_scan.BWD_MAXNREG). With the time-segment axis (compiled SEGMENTED, the
+# larger of its two forms) the backward holds a little more: capped 444 B (3.7.1) and 464 B (3.9),
+# the 4-wide 8-warp tile at N = 64 0 and 92 B (3.9; 32 B before).
 SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
-                 "selective_scan _bwd_kernel BLOCK_D=4 warps=1 maxnreg=168": 448,
+                 "selective_scan _bwd_kernel BLOCK_D=4 warps=1 maxnreg=168": 480,
                  "selective_scan _bwd_kernel BLOCK_D=8 warps=2": 576,
                  "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
                  "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
                  "selective_scan _fwd_kernel N=64 BLOCK_D=4 warps=2": 8,
-                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 64}
+                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 96}
 
 
 def elementwise_settings():
@@ -212,7 +214,7 @@ def elementwise_settings():
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
             "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
-    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB"}
+    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS"}
 
     def types(kernel, constexprs):
         return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"
@@ -243,12 +245,22 @@ def elementwise_settings():
                 (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
             if kind == "fwd":
                 extra = dict(extra, STAGES=fixed["fwd_stages"], NB_LOOP=0)
+            extra = dict(extra, SEGMENTED=True)  # the segmented launch: the whole kernel's code
             for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
                 ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d,
                           **({} if cap is None else {"maxnreg": cap}))
                 label = "" if block_n == 16 else f"N={block_n} "
                 yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
                        f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
+        # the segments' first passes, at their fixed launches (those of the forward and backward)
+        for kernel, kind, ce in (
+                (scan._fwd_carry_kernel, "fwd", dict(HAS_BIAS=True, SOFTPLUS=True, NB_LOOP=0)),
+                (scan._bwd_carry_kernel, "bwd", dict(HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, HAS_DY=True))):
+            block_d, warps = fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"]
+            ce = dict(ce, BLOCK_T=fixed["block_t"], BLOCK_N=block_n, BLOCK_D=block_d)
+            label = "" if block_n == 16 else f"N={block_n} "
+            yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}", kernel,
+                   types(kernel, ce), ce, warps, 3)
     yield from norm_settings()
 
 

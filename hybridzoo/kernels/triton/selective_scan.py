@@ -29,6 +29,13 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
   relaxed, they are fire-and-forget reductions (``REDG``). The sums need no ordering: they are
   read after the kernel ends. The initial-state gradient is ``exp(Δ_0 A) g_0``.
 
+* time segments: where one program per (sequence, channel block) would leave most of the GPU idle
+  (a long T and a small batch), each direction runs its time blocks in ``S`` segments side by
+  side (:func:`_segments`). A first pass (:func:`_fwd_carry_kernel`, :func:`_bwd_carry_kernel`)
+  gives each segment's own contribution to the state after it (to the adjoint before it) and the
+  sum of its step sizes, so that its decay is ``exp(A ΣΔ)``; each segment folds those of the
+  segments before (after) it into its start, then runs as above.
+
 States are float32 whatever the input dtype; inputs may be float16/bfloat16/float32.
 """
 
@@ -148,15 +155,20 @@ def _step_size(raw, SOFTPLUS: tl.constexpr):
 @triton.jit
 def _fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
-    y_ptr, hT_ptr, ckpt_ptr,
-    T, DM, N, G, PER_GROUP, NB,
+    y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
+    T, DM, N, G, PER_GROUP, NB, S, BPS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, NB_LOOP: tl.constexpr,
+    STAGES: tl.constexpr, NB_LOOP: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
+    """Program ``(b, channel block, s)``: time blocks ``[s·BPS, (s+1)·BPS)`` of segment ``s`` (the
+    whole sequence when ``S == 1``; ``NB_LOOP``: ``BPS`` as a constexpr under the interpreter).
+    With ``SEGMENTED`` the segment starts from the state folded from the segments before it:
+    ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``)."""
     b = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
+    seg = tl.program_id(2)
     n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
     g = pid // n_dblk
     cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # channel within the group
@@ -175,11 +187,19 @@ def _fwd_kernel(
         h = tl.load(h0_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if SEGMENTED:  # the state entering this segment, from the segments before it
+        sp = 0
+        while sp < seg:
+            sdt = tl.load(sdt_ptr + (b * S + sp) * DM + d, mask=dmask, other=0.0)
+            h = tl.exp(sdt[None, :] * A) * h + tl.load(hl_ptr + (b * S + sp) * DM * N + dn, mask=dn_mask, other=0.0)
+            sp += 1
     rows = tl.arange(0, BLOCK_T)
-    # software-pipelined over time blocks (STAGES): the next block's loads overlap this one's scan
-    for blk in tl.range(0, NB_LOOP if NB_LOOP > 0 else NB, num_stages=STAGES):
+    # software-pipelined over time blocks (STAGES): the next block's loads overlap this one's scan;
+    # blocks past NB (the last segment's tail) are all masked: a = 1, b = 0, nothing stored
+    for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS, num_stages=STAGES):
+        blk = seg * BPS + i
         if STORE_CKPT:  # the state entering this block
-            tl.store(ckpt_ptr + (b * NB + blk) * DM * N + dn, h, mask=dn_mask)
+            tl.store(ckpt_ptr + (b * NB + blk) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
         tmask = t < T
         m2 = tmask[:, None] & dmask[None, :]
@@ -205,20 +225,76 @@ def _fwd_kernel(
             y = y * zv * tl.sigmoid(zv)
         tl.store(y_ptr + off, y, mask=m2)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
-    tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask)
+    tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask & (seg == S - 1))
+
+
+@triton.jit
+def _fwd_carry_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, bias_ptr, hl_ptr, sdt_ptr,
+    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NB_LOOP: tl.constexpr,
+):
+    """Program ``(b, channel block, s)``: segment ``s``'s own contribution to the state after it,
+    from a zero state (``hl [B, S, Dm, N]``), and its step sizes' sum (``sdt [B, S, Dm]``: the
+    segment multiplies the state entering it by ``exp(A ΣΔ)``), both float32."""
+    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    seg = tl.program_id(2)
+    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
+    g = pid // n_dblk
+    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = cols < PER_GROUP
+    d = g * PER_GROUP + cols
+    n = tl.arange(0, BLOCK_N)
+    nmask = n < N
+    dn = d[None, :] * N + n[:, None]
+    dn_mask = nmask[:, None] & dmask[None, :]
+    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    sdt = tl.zeros([BLOCK_D], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_T)
+    for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS):
+        t = (seg * BPS + i) * BLOCK_T + rows
+        tmask = t < T
+        m2 = tmask[:, None] & dmask[None, :]
+        off = (b * T + t)[:, None] * DM + d[None, :]
+        u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw += bias[None, :]
+        dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)
+        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+        Bt = tl.load(B_ptr + bc_off, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        a = tl.exp(dt[:, None, :] * A[None, :, :])
+        x = (dt * u)[:, None, :] * Bt[:, :, None]
+        a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
+        hs = x_cum + a_cum * h[None, :, :]
+        h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
+        sdt += tl.sum(dt, axis=0)
+    tl.store(hl_ptr + (b * S + seg) * DM * N + dn, h, mask=dn_mask)
+    tl.store(sdt_ptr + (b * S + seg) * DM + d, sdt, mask=dmask)
 
 
 @triton.jit
 def _bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
-    du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr,
-    T, DM, N, G, PER_GROUP, NB,
+    du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr, gl_ptr, sdtn_ptr,
+    T, DM, N, G, PER_GROUP, NB, S, BPS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
+    """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
+    sequence when ``S == 1``). With ``SEGMENTED`` the adjoint entering the segment from after it
+    is folded from the segments after it: ``g ← gl_s' + exp(A ΣΔ'_s') g``
+    (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
+    (batch, segment), summed in torch."""
     b = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
+    seg = tl.program_id(2)
     n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
     g = pid // n_dblk
     cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -237,12 +313,20 @@ def _bwd_kernel(
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if SEGMENTED:  # the adjoint entering this segment's last token, from the segments after it
+        sp = S - 1
+        while sp > seg:
+            sdtn = tl.load(sdtn_ptr + (b * S + sp) * DM + d, mask=dmask, other=0.0)
+            carry = tl.load(gl_ptr + (b * S + sp) * DM * N + dn, mask=dn_mask, other=0.0) + \
+                tl.exp(sdtn[None, :] * A) * carry
+            sp -= 1
     dA_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dD_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
-    blk = NB - 1
-    while blk >= 0:  # time blocks in reverse
+    first = seg * BPS
+    blk = tl.minimum(NB, first + BPS) - 1
+    while blk >= first:  # this segment's time blocks in reverse
         t = blk * BLOCK_T + rows
         tmask = t < T
         m2 = tmask[:, None] & dmask[None, :]
@@ -312,17 +396,82 @@ def _bwd_kernel(
         tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask, sem="relaxed")
         tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask, sem="relaxed")
         blk -= 1
-    # initial-state gradient: exp(Δ_0 A) g_0
+    # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw0 += bias
     a0 = tl.exp(_step_size(raw0, SOFTPLUS)[None, :] * A)
-    tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask)
-    tl.store(dA_ptr + b * DM * N + dn, dA_acc, mask=dn_mask)
+    tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask & (seg == 0))
+    part = b * S + seg  # this program's row of the per-(batch, segment) sums
+    tl.store(dA_ptr + part * DM * N + dn, dA_acc, mask=dn_mask)
     if HAS_D:
-        tl.store(dD_ptr + b * DM + d, dD_acc, mask=dmask)
+        tl.store(dD_ptr + part * DM + d, dD_acc, mask=dmask)
     if HAS_BIAS:
-        tl.store(dbias_ptr + b * DM + d, dbias_acc, mask=dmask)
+        tl.store(dbias_ptr + part * DM + d, dbias_acc, mask=dmask)
+
+
+@triton.jit
+def _bwd_carry_kernel(
+    delta_ptr, A_ptr, C_ptr, z_ptr, bias_ptr, dy_ptr, gl_ptr, sdtn_ptr,
+    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_DY: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program ``(b, channel block, s)``: the adjoint at segment ``s``'s first token from the
+    segment's own outputs alone (nothing entering after it: ``gl [B, S, Dm, N]``), and the sum of
+    the next tokens' step sizes over its tokens (``sdtn [B, S, Dm]``: the segment carries the
+    adjoint entering after it back by ``exp(A ΣΔ')``), both float32. Only the output gradient
+    ``dy`` feeds it (the final state's enters through the last segment)."""
+    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    seg = tl.program_id(2)
+    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
+    g = pid // n_dblk
+    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = cols < PER_GROUP
+    d = g * PER_GROUP + cols
+    n = tl.arange(0, BLOCK_N)
+    nmask = n < N
+    dn = d[None, :] * N + n[:, None]
+    dn_mask = nmask[:, None] & dmask[None, :]
+    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    sdtn = tl.zeros([BLOCK_D], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_T)
+    first = seg * BPS
+    blk = tl.minimum(NB, first + BPS) - 1
+    while blk >= first:
+        t = blk * BLOCK_T + rows
+        tmask = t < T
+        m2 = tmask[:, None] & dmask[None, :]
+        off = (b * T + t)[:, None] * DM + d[None, :]
+        if HAS_DY:
+            dy0 = tl.load(dy_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        else:
+            dy0 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        if HAS_Z:
+            zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            dy0 = dy0 * zv * tl.sigmoid(zv)
+        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+        Ct = tl.load(C_ptr + bc_off, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        t_next = t + 1
+        m_next = (t_next < T)[:, None] & dmask[None, :]
+        raw_next = tl.load(delta_ptr + (b * T + t_next)[:, None] * DM + d[None, :], mask=m_next, other=0.0)
+        raw_next = raw_next.to(tl.float32)
+        if HAS_BIAS:
+            raw_next += bias[None, :]
+        dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
+        a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
+        c = dy0[:, None, :] * Ct[:, :, None]
+        g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
+        gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
+        carry = tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
+        sdtn += tl.sum(dt_next, axis=0)
+        blk -= 1
+    tl.store(gl_ptr + (b * S + seg) * DM * N + dn, carry, mask=dn_mask)
+    tl.store(sdtn_ptr + (b * S + seg) * DM + d, sdtn, mask=dmask)
 
 
 def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
@@ -334,8 +483,34 @@ def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     return programs >= BWD_CAP_WAVES * 8 * launch.sm_count(device)
 
 
-def _grid_shape(batch, groups, per_group):
-    return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]))
+# Time segments. One program per (sequence, channel block) runs the whole sequence: at a long T and
+# a small batch (B2 T8192 over Mamba-130m's 1536 channels: 768 backward programs, under one wave
+# of 8 per SM on an H200) most of the GPU idles. Such a grid runs its time blocks in S segments
+# side by side: a first pass gives each segment's own contribution to the state after it (the
+# forward) or to the adjoint before it (the backward) and its step sizes' sum, each segment folds
+# those of the segments before (after) it into the state (adjoint) it starts from, then runs as
+# before. The extra pass costs each element one exponential and one scan more. S makes the grid
+# SEGMENT_WAVES waves of 8 programs per SM, each segment at least SEGMENT_MIN_BLOCKS time blocks.
+SEGMENTS = None  # None: from the grid (:func:`_segments`); an int: that many (tests, probes)
+SEGMENT_WAVES, SEGMENT_MIN_BLOCKS = 2, 8
+
+
+def _segments(programs: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+    """``(S, blocks per segment)`` for a grid of ``programs`` (sequences x channel blocks) over
+    ``n_blocks`` time blocks: 1 segment under the interpreter unless :data:`SEGMENTS` says."""
+    if SEGMENTS is not None:
+        wanted = SEGMENTS
+    elif launch.interpret():
+        wanted = 1
+    else:
+        wanted = min(triton.cdiv(SEGMENT_WAVES * 8 * launch.sm_count(device), programs),
+                     n_blocks // SEGMENT_MIN_BLOCKS)
+    per = triton.cdiv(n_blocks, max(1, min(wanted, n_blocks)))
+    return triton.cdiv(n_blocks, per), per
+
+
+def _grid_shape(batch, groups, per_group, segments=1):
+    return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]), segments)
 
 
 _fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"], prune=_prune("fwd"))
@@ -353,19 +528,31 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
     block_n = max(triton.next_power_of_2(n), 2)
     cfg = _config(training=store_ckpt, block_n=block_n)
     n_blocks = triton.cdiv(length, cfg["block_t"])
+    segments, per = _segments(batch * groups * triton.cdiv(per_group, cfg["fwd_block_d"]), n_blocks, u.device)
     y = launch.empty((batch, length, dm), u.dtype, u.device)
     final = launch.empty((batch, dm, n), torch.float32, u.device)
     ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
+    hl = sdt = final  # unread with one segment
+    if segments > 1:
+        hl = launch.empty((batch, segments, dm, n), torch.float32, u.device)
+        sdt = launch.empty((batch, segments, dm), torch.float32, u.device)
+        launch.run(
+            _fwd_carry_kernel, _grid_shape(batch, groups, per_group, segments),
+            u, delta, A, B, u if delta_bias is None else delta_bias, hl, sdt,
+            length, dm, n, groups, per_group, n_blocks, segments, per,
+            HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+            NB_LOOP=launch.loop_count(per), fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
+        )
     launch.run(
-        _fwd, _grid_shape(batch, groups, per_group),
+        _fwd, _grid_shape(batch, groups, per_group, segments),
         u, delta, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
-        y, final, ckpt,
-        length, dm, n, groups, per_group, n_blocks,
+        y, final, ckpt, hl, sdt,
+        length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
         BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
-        NB_LOOP=launch.loop_count(n_blocks),
+        NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1,
         fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
     )
     return y, final, ckpt
@@ -383,40 +570,54 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
                          f"expected {(batch, triton.cdiv(length, cfg['block_t']), dm, n)} for these inputs")
     per_group = dm // groups
     dev = u.device
+    n_blocks, block_n = ckpt.shape[1], max(triton.next_power_of_2(n), 2)
+    programs = batch * groups * triton.cdiv(per_group, cfg["bwd_block_d"])
+    segments, per = _segments(programs, n_blocks, dev)
     fixed = dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"])
     if cfg.get("bwd_maxnreg"):
         fixed["maxnreg"] = cfg["bwd_maxnreg"]
-    elif "bwd_maxnreg" not in cfg and _capped(batch * groups * triton.cdiv(per_group, cfg["bwd_block_d"]),
-                                               cfg, A.shape[1], dev):
+    elif "bwd_maxnreg" not in cfg and _capped(programs * segments, cfg, n, dev):
         fixed["maxnreg"] = BWD_MAXNREG
     du = launch.empty(u.shape, u.dtype, dev)
     ddelta = launch.empty(delta.shape, delta.dtype, dev)
     dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
     dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
     dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
-    dA = launch.empty((batch, dm, n), torch.float32, dev)  # per batch, summed below
-    dD = None if D is None else launch.empty((batch, dm), torch.float32, dev)
-    dbias = None if delta_bias is None else launch.empty((batch, dm), torch.float32, dev)
+    dA = launch.empty((batch, segments, dm, n), torch.float32, dev)  # per batch and segment, summed below
+    dD = None if D is None else launch.empty((batch, segments, dm), torch.float32, dev)
+    dbias = None if delta_bias is None else launch.empty((batch, segments, dm), torch.float32, dev)
     dh0 = launch.empty((batch, dm, n), torch.float32, dev)
     dy = None if dy is None else dy.contiguous()
     dfinal = None if dfinal is None else dfinal.contiguous()
+    gl = sdtn = dh0  # unread with one segment
+    if segments > 1:
+        gl = launch.empty((batch, segments, dm, n), torch.float32, dev)
+        sdtn = launch.empty((batch, segments, dm), torch.float32, dev)
+        launch.run(
+            _bwd_carry_kernel, _grid_shape(batch, groups, per_group, segments),
+            delta, A, C, u if z is None else z, u if delta_bias is None else delta_bias, u if dy is None else dy,
+            gl, sdtn, length, dm, n, groups, per_group, n_blocks, segments, per,
+            HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, HAS_DY=dy is not None,
+            BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+            fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
+        )
     launch.run(
-        _bwd, _grid_shape(batch, groups, per_group),
+        _bwd, _grid_shape(batch, groups, per_group, segments),
         u, delta, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, ckpt,
         u if dy is None else dy, u if dfinal is None else dfinal,
         du, ddelta, du if dz is None else dz, dB, dC, dA,
-        dA if dD is None else dD, dA if dbias is None else dbias, dh0,
-        length, dm, n, groups, per_group, ckpt.shape[1],
+        dA if dD is None else dD, dA if dbias is None else dbias, dh0, gl, sdtn,
+        length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=cfg["block_t"], BLOCK_N=max(triton.next_power_of_2(n), 2),
+        BLOCK_T=cfg["block_t"], BLOCK_N=block_n, SEGMENTED=segments > 1,
         fixed=fixed,
     )
     return (
-        du, ddelta, dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
-        None if D is None else dD.sum(0).to(D.dtype), dz,
-        None if delta_bias is None else dbias.sum(0).to(delta_bias.dtype),
+        du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
+        None if D is None else dD.sum((0, 1)).to(D.dtype), dz,
+        None if delta_bias is None else dbias.sum((0, 1)).to(delta_bias.dtype),
         None if initial_dtype is None else dh0.to(initial_dtype),
     )
 

@@ -97,7 +97,11 @@ def test_chunk_delta_rule_in_bounds(B, T, Hk, H, Kd, V):
     assert report.launches > 0 and report.violations == [], report.violations
 
 
-def test_selective_scan_in_bounds():
+@pytest.mark.parametrize("segments", [None, 3], ids=["whole", "3-segments"])
+def test_selective_scan_in_bounds(monkeypatch, segments):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", segments)
     torch.manual_seed(2)
     Bt, T, Dm, N, G = 2, 37, 24, 6, 2
     u, delta, z = _leaf(Bt, T, Dm), _leaf(Bt, T, Dm, scale=0.5), _leaf(Bt, T, Dm)

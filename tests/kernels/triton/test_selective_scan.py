@@ -115,6 +115,53 @@ def test_large_steps_no_nan():
     _check_against_loop(x)
 
 
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("groups,length", [(None, 41), (2, 40), (1, 5)])
+def test_time_segments_match_loop(monkeypatch, segments, groups, length):
+    """A grid run in time segments side by side, each starting from the state folded from the
+    segments before it (forward) and the adjoint folded from those after it (backward), against
+    the float64 loop: outputs, final state and every gradient, with the loss through both, the
+    output alone or the final state alone. Interpreter blocks are 8 tokens: 41 tokens are 6
+    blocks (2 segments of 3 or 3 of 2), 40 tokens 5 (3 + 2, or 2 + 2 + 1), 5 tokens one."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", segments)
+    x = _inputs(length=length, groups=groups, seed=length + segments)
+    for weights in ((1.0, 1.0), (1.0, 0.0), (0.0, 1.0)):
+        _check_against_loop(x, weights=weights)
+
+
+def test_time_segments_without_optional_inputs(monkeypatch):
+    """Segments with D, z, delta_bias and the initial state all None, no softplus."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", 3)
+    x = _inputs(length=37, dm=6, n=5, groups=2, seed=31)
+    x.update(D=None, z=None, delta_bias=None, initial_state=None)
+    x["delta"] = x["delta"].abs()
+    _check_against_loop(x, softplus=False)
+
+
+def test_time_segments_follow_the_grid(monkeypatch):
+    """One segment under the interpreter; on a GPU as many as make SEGMENT_WAVES waves of 8
+    programs per SM (an H200's 132 SMs: 2112 programs), each at least SEGMENT_MIN_BLOCKS time
+    blocks long: Mamba-130m's backward at B8 T2048 (3072 programs) runs whole, at B2 T8192 (768
+    programs, 512 blocks) in 3 segments."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    cpu = torch.device("cpu")
+    assert scan._segments(768, 512, cpu) == (1, 512)
+    monkeypatch.setattr(scan.launch, "interpret", lambda: False)
+    monkeypatch.setattr(scan.launch, "sm_count", lambda device: 132)
+    assert scan._segments(3072, 128, cpu) == (1, 128)
+    assert scan._segments(768, 512, cpu) == (3, 171)
+    assert scan._segments(768, 16, cpu) == (2, 8)
+    assert scan._segments(768, 7, cpu) == (1, 7)
+    monkeypatch.setattr(scan, "SEGMENTS", 4)
+    assert scan._segments(3072, 10, cpu) == (4, 3)  # 3 + 3 + 3 + 1 blocks
+
+
 def test_state_carrying():
     """Two calls with the final state carried equal one call."""
     x = _inputs(length=21, seed=7, dtype=torch.float32)
