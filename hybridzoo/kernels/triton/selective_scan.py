@@ -153,6 +153,90 @@ def _step_size(raw, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
+def _channels(pid, N, PER_GROUP, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid``'s block of channels: ``(group, d [BLOCK_D], its mask, n [BLOCK_N], its
+    mask, dn [BLOCK_N, BLOCK_D] the offsets into a [Dm, N] tensor, their mask)``."""
+    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
+    g = pid // n_dblk
+    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # channel within the group
+    dmask = cols < PER_GROUP
+    d = g * PER_GROUP + cols
+    n = tl.arange(0, BLOCK_N)
+    nmask = n < N
+    return g, d, dmask, n, nmask, d[None, :] * N + n[:, None], nmask[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _channel_values(ptr, d, dmask, HAS: tl.constexpr):
+    """``ptr[d]`` as float32 ``[BLOCK_D]`` (zeros when the tensor is absent)."""
+    if HAS:
+        return tl.load(ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(d.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _rows_or_zeros(ptr, off, m2, HAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A ``[BLOCK_T, BLOCK_D]`` float32 tile of a ``[B, T, Dm]`` tensor, or zeros when absent."""
+    if HAS:
+        return tl.load(ptr + off, mask=m2, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+
+
+@triton.jit
+def _block_inputs(u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
+                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, raw step size (bias added), B's
+    offsets, their mask, B)``, float32; Δ = 0 past T (a = 1, b = 0)."""
+    tmask = t < T
+    m2 = tmask[:, None] & dmask[None, :]
+    off = (b * T + t)[:, None] * DM + d[None, :]
+    u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += bias[None, :]
+    dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)
+    bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+    bc_mask = tmask[:, None] & nmask[None, :]
+    Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+    return m2, off, u, dt, raw, bc_off, bc_mask, Bt
+
+
+@triton.jit
+def _block_states(u, dt, Bt, A, h):
+    """The states of a block's tokens from the state ``h`` entering it, ``[BLOCK_T, BLOCK_N,
+    BLOCK_D]`` (``a = exp(Δ A)``, ``x = Δ B u``, an associative scan over time), and ``x``."""
+    a = tl.exp(dt[:, None, :] * A[None, :, :])
+    x = (dt * u)[:, None, :] * Bt[:, :, None]
+    a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
+    return x_cum + a_cum * h[None, :, :], x
+
+
+@triton.jit
+def _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
+                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """The adjoint over a block's rows ``t``: ``g_t = C_t dy0_t + a_{t+1} g_{t+1}`` with ``carry``
+    the adjoint at the next block's first token. Returns ``(g [BLOCK_T, BLOCK_N, BLOCK_D], g at
+    the block's first token, Δ_{t+1} [BLOCK_T, BLOCK_D])``, ``a_{t+1}`` from the next token's Δ
+    (zero past T). The reverse scan runs as a forward scan of the block flipped in time: time lies
+    in each thread's registers, where a flip is free, while Triton lowers ``reverse=True`` to warp
+    shuffles (640 a block at the 16x4x16 tile with Triton 3.7.1, against none)."""
+    t_next = t + 1
+    m_next = (t_next < T)[:, None] & dmask[None, :]
+    raw_next = tl.load(delta_ptr + (b * T + t_next)[:, None] * DM + d[None, :], mask=m_next, other=0.0)
+    raw_next = raw_next.to(tl.float32)
+    if HAS_BIAS:
+        raw_next += bias[None, :]
+    dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
+    a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
+    c = dy0[:, None, :] * Ct[:, :, None]
+    g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
+    gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
+    return gs, tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0), dt_next
+
+
+@triton.jit
 def _fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
     y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
@@ -167,22 +251,12 @@ def _fwd_kernel(
     With ``SEGMENTED`` the segment starts from the state folded from the segments before it:
     ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``)."""
     b = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
+    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
     seg = tl.program_id(2)
-    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
-    g = pid // n_dblk
-    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # channel within the group
-    dmask = cols < PER_GROUP
-    d = g * PER_GROUP + cols
-    n = tl.arange(0, BLOCK_N)
-    nmask = n < N
-    dn = d[None, :] * N + n[:, None]
-    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     if HAS_H0:
         h = tl.load(h0_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
@@ -201,22 +275,10 @@ def _fwd_kernel(
         if STORE_CKPT:  # the state entering this block
             tl.store(ckpt_ptr + (b * NB + blk) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
-        tmask = t < T
-        m2 = tmask[:, None] & dmask[None, :]
-        off = (b * T + t)[:, None] * DM + d[None, :]
-        u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += bias[None, :]
-        dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)  # Δ = 0 past T: a = 1, b = 0
-        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
-        bc_mask = tmask[:, None] & nmask[None, :]
-        Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        a = tl.exp(dt[:, None, :] * A[None, :, :])  # [BLOCK_T, BLOCK_N, BLOCK_D]
-        x = (dt * u)[:, None, :] * Bt[:, :, None]
-        a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
-        hs = x_cum + a_cum * h[None, :, :]  # states of the block's tokens, on chip only
+        hs, x = _block_states(u, dt, Bt, A, h)  # states of the block's tokens, on chip only
         y = tl.sum(hs * Ct[:, :, None], axis=1)
         if HAS_D:
             y += Dv[None, :] * u
@@ -239,39 +301,18 @@ def _fwd_carry_kernel(
     from a zero state (``hl [B, S, Dm, N]``), and its step sizes' sum (``sdt [B, S, Dm]``: the
     segment multiplies the state entering it by ``exp(A ΣΔ)``), both float32."""
     b = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
+    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
     seg = tl.program_id(2)
-    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
-    g = pid // n_dblk
-    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = cols < PER_GROUP
-    d = g * PER_GROUP + cols
-    n = tl.arange(0, BLOCK_N)
-    nmask = n < N
-    dn = d[None, :] * N + n[:, None]
-    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     sdt = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
     for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS):
         t = (seg * BPS + i) * BLOCK_T + rows
-        tmask = t < T
-        m2 = tmask[:, None] & dmask[None, :]
-        off = (b * T + t)[:, None] * DM + d[None, :]
-        u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += bias[None, :]
-        dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)
-        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
-        Bt = tl.load(B_ptr + bc_off, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        a = tl.exp(dt[:, None, :] * A[None, :, :])
-        x = (dt * u)[:, None, :] * Bt[:, :, None]
-        a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
-        hs = x_cum + a_cum * h[None, :, :]
+        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
+        hs, x = _block_states(u, dt, Bt, A, h)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
         sdt += tl.sum(dt, axis=0)
     tl.store(hl_ptr + (b * S + seg) * DM * N + dn, h, mask=dn_mask)
@@ -293,22 +334,12 @@ def _bwd_kernel(
     (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
     (batch, segment), summed in torch."""
     b = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
+    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
     seg = tl.program_id(2)
-    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
-    g = pid // n_dblk
-    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = cols < PER_GROUP
-    d = g * PER_GROUP + cols
-    n = tl.arange(0, BLOCK_N)
-    nmask = n < N
-    dn = d[None, :] * N + n[:, None]
-    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     if HAS_DHT:  # the adjoint after the last token
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
@@ -328,28 +359,13 @@ def _bwd_kernel(
     blk = tl.minimum(NB, first + BPS) - 1
     while blk >= first:  # this segment's time blocks in reverse
         t = blk * BLOCK_T + rows
-        tmask = t < T
-        m2 = tmask[:, None] & dmask[None, :]
-        off = (b * T + t)[:, None] * DM + d[None, :]
-        u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += bias[None, :]
-        dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)
-        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
-        bc_mask = tmask[:, None] & nmask[None, :]
-        Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        if HAS_DY:
-            dy = tl.load(dy_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        else:
-            dy = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
         # recompute the block's states from the state that entered it
         h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask, other=0.0)
-        a = tl.exp(dt[:, None, :] * A[None, :, :])
-        x = (dt * u)[:, None, :] * Bt[:, :, None]
-        a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
-        hs = x_cum + a_cum * h_start[None, :, :]
+        hs, x = _block_states(u, dt, Bt, A, h_start)
         # output gate
         if HAS_Z:
             zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
@@ -361,22 +377,8 @@ def _bwd_kernel(
             dy0 = dy * zv * sz
         else:
             dy0 = dy
-        # adjoint: g_t = C_t dy0_t + a_{t+1} g_{t+1}, a reverse scan; a_{t+1} from the next token
-        t_next = t + 1
-        m_next = (t_next < T)[:, None] & dmask[None, :]
-        raw_next = tl.load(delta_ptr + (b * T + t_next)[:, None] * DM + d[None, :], mask=m_next, other=0.0)
-        raw_next = raw_next.to(tl.float32)
-        if HAS_BIAS:
-            raw_next += bias[None, :]
-        dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
-        a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
-        c = dy0[:, None, :] * Ct[:, :, None]
-        # as a forward scan of the block flipped in time: time lies in each thread's registers,
-        # where a flip is free, while Triton lowers reverse=True to warp shuffles (640 a block
-        # at the 16x4x16 tile with Triton 3.7.1, against none)
-        g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
-        gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
-        carry = tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
+        gs, carry, _ = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
+                                      HAS_BIAS, SOFTPLUS)
         # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
         ah = hs - x
         gdt = gs * dt[:, None, :]
@@ -423,20 +425,10 @@ def _bwd_carry_kernel(
     adjoint entering after it back by ``exp(A ΣΔ')``), both float32. Only the output gradient
     ``dy`` feeds it (the final state's enters through the last segment)."""
     b = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
+    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
     seg = tl.program_id(2)
-    n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
-    g = pid // n_dblk
-    cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = cols < PER_GROUP
-    d = g * PER_GROUP + cols
-    n = tl.arange(0, BLOCK_N)
-    nmask = n < N
-    dn = d[None, :] * N + n[:, None]
-    dn_mask = nmask[:, None] & dmask[None, :]
     A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     sdtn = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
@@ -447,27 +439,14 @@ def _bwd_carry_kernel(
         tmask = t < T
         m2 = tmask[:, None] & dmask[None, :]
         off = (b * T + t)[:, None] * DM + d[None, :]
-        if HAS_DY:
-            dy0 = tl.load(dy_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        else:
-            dy0 = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        dy0 = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
         if HAS_Z:
             zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
             dy0 = dy0 * zv * tl.sigmoid(zv)
         bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
         Ct = tl.load(C_ptr + bc_off, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        t_next = t + 1
-        m_next = (t_next < T)[:, None] & dmask[None, :]
-        raw_next = tl.load(delta_ptr + (b * T + t_next)[:, None] * DM + d[None, :], mask=m_next, other=0.0)
-        raw_next = raw_next.to(tl.float32)
-        if HAS_BIAS:
-            raw_next += bias[None, :]
-        dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
-        a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
-        c = dy0[:, None, :] * Ct[:, :, None]
-        g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
-        gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
-        carry = tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
+        _, carry, dt_next = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
+                                           HAS_BIAS, SOFTPLUS)
         sdtn += tl.sum(dt_next, axis=0)
         blk -= 1
     tl.store(gl_ptr + (b * S + seg) * DM * N + dn, carry, mask=dn_mask)
