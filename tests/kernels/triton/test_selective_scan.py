@@ -122,9 +122,11 @@ def test_time_segments_match_loop(monkeypatch, segments, groups, length):
     segments before it (forward) and the adjoint folded from those after it (backward), against
     the float64 loop: outputs, final state and every gradient, with the loss through both, the
     output alone or the final state alone. Interpreter blocks are 8 tokens: 41 tokens are 6
-    blocks (2 segments of 3 or 3 of 2), 40 tokens 5 (3 + 2, or 2 + 2 + 1), 5 tokens one."""
+    blocks (2 segments of 3 or 3 of 2), 40 tokens 5 (3 + 2, or 2 + 2 + 1), 5 tokens one. Every
+    buffer starts as NaN: an unwritten element shows."""
     import importlib
 
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", segments)
     x = _inputs(length=length, groups=groups, seed=length + segments)
     for weights in ((1.0, 1.0), (1.0, 0.0), (0.0, 1.0)):
