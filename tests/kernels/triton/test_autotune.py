@@ -103,8 +103,8 @@ def test_compiled_mode_registers_one_autotuner_per_kernel():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == sorted(
-        ["conv._fwd_kernel", "conv._bwd_kernel", "delta_rule._state_fwd_kernel", "delta_rule_bwd._state_bwd_kernel",
-         "linear_attn._fwd_h_kernel", "linear_attn._fwd_o_kernel", "linear_attn_bwd._bwd_dh_kernel",
+        ["conv._fwd_kernel", "conv._bwd_kernel", "conv._bwd_seq_kernel", "delta_rule._state_fwd_kernel",
+         "delta_rule_bwd._state_bwd_kernel", "linear_attn._fwd_h_kernel", "linear_attn._fwd_o_kernel", "linear_attn_bwd._bwd_dh_kernel",
          "linear_attn_bwd._bwd_dqk_kernel", "linear_attn_bwd._bwd_dv_kernel", "selective_scan._fwd_kernel",
          "selective_scan._bwd_kernel"])
 
