@@ -8,7 +8,8 @@ and warps, on CUDA: which launch settings are fastest at a shape.
 ``--module`` names a module laid out as ``hybridzoo.kernels.triton.selective_scan`` (the default),
 so that a rewritten kernel can be timed beside the packaged one on the same inputs. ``--maxnreg
 0,168`` also times each backward setting with its registers capped (0: no cap; each row's
-``maxnreg``).
+``maxnreg``). ``--segments`` (1 by default: each program runs a whole sequence) sets the time
+segments of the module's grids (``auto``: its own choice).
 
 bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
 is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
@@ -42,6 +43,9 @@ def main() -> int:
                         help="skip settings whose tile puts more elements on a thread")
     parser.add_argument("--module", default="hybridzoo.kernels.triton.selective_scan",
                         help="the module whose selective_scan and _config are timed")
+    parser.add_argument("--segments", default="1",
+                        help="time segments: 1 (the grid as is, the default), an int, or auto "
+                             "(the module's own choice from the grid)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -53,6 +57,8 @@ def main() -> int:
     module = importlib.import_module(args.module)
 
     launch.AUTOTUNE = False
+    if hasattr(module, "SEGMENTS"):
+        module.SEGMENTS = None if args.segments == "auto" else int(args.segments)
     batch, length, dm, n = (int(v) for v in args.shape.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -86,7 +92,7 @@ def main() -> int:
             if kernel == "bwd":
                 cfg["bwd_maxnreg"] = cap
             row = dict(kernel=kernel, block_t=args.block_t, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
-                       module=args.module)
+                       module=args.module, segments=args.segments)
             try:
                 if kernel == "fwd":
                     ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)
