@@ -100,6 +100,9 @@ FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (
 # against 10.42 ms; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl). Both are
 # candidates; with autotuning off, the cap is taken from BWD_CAP_WAVES waves of uncapped programs.
 BWD_MAXNREG, BWD_CAP_WAVES = 168, 2
+# One-warp backward programs an SM holds at once uncapped: 255 registers x 32 threads each, of the
+# SM's 64K registers (sm_90). The unit of BWD_CAP_WAVES and SEGMENT_WAVES.
+WAVE_PROGRAMS_PER_SM = 8
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
                for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8))]
 BWD_CONFIGS.insert(1, triton.Config({"BLOCK_D": 4}, num_warps=1, maxnreg=BWD_MAXNREG))
@@ -456,10 +459,11 @@ def _bwd_carry_kernel(
 def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     """Whether the backward at the fixed setting ``cfg`` runs with its registers capped at
     :data:`BWD_MAXNREG`: the measured 4-wide 1-warp tile (N up to 16) on a grid of ``programs``
-    that fills at least :data:`BWD_CAP_WAVES` waves of 8 uncapped programs per SM."""
+    that fills at least :data:`BWD_CAP_WAVES` waves of :data:`WAVE_PROGRAMS_PER_SM` uncapped programs
+    per SM."""
     if launch.interpret() or (cfg["bwd_block_d"], cfg["bwd_warps"]) != (4, 1) or n > 16:
         return False
-    return programs >= BWD_CAP_WAVES * 8 * launch.sm_count(device)
+    return programs >= BWD_CAP_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device)
 
 
 # Time segments. One program per (sequence, channel block) runs the whole sequence: at a long T and
@@ -469,7 +473,8 @@ def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
 # forward) or to the adjoint before it (the backward) and its step sizes' sum, each segment folds
 # those of the segments before (after) it into the state (adjoint) it starts from, then runs as
 # before. The extra pass costs each element one exponential and one scan more. S makes the grid
-# SEGMENT_WAVES waves of 8 programs per SM, each segment at least SEGMENT_MIN_BLOCKS time blocks.
+# SEGMENT_WAVES waves of WAVE_PROGRAMS_PER_SM programs per SM, each segment at least
+# SEGMENT_MIN_BLOCKS time blocks.
 SEGMENTS = None  # None: from the grid (:func:`_segments`); an int: that many (tests, probes)
 SEGMENT_WAVES, SEGMENT_MIN_BLOCKS = 2, 8
 
@@ -482,7 +487,7 @@ def _segments(programs: int, n_blocks: int, device: torch.device) -> tuple[int, 
     elif launch.interpret():
         wanted = 1
     else:
-        wanted = min(triton.cdiv(SEGMENT_WAVES * 8 * launch.sm_count(device), programs),
+        wanted = min(triton.cdiv(SEGMENT_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device), programs),
                      n_blocks // SEGMENT_MIN_BLOCKS)
     per = triton.cdiv(n_blocks, max(1, min(wanted, n_blocks)))
     return triton.cdiv(n_blocks, per), per
