@@ -472,23 +472,24 @@ def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
 # side by side: a first pass gives each segment's own contribution to the state after it (the
 # forward) or to the adjoint before it (the backward) and its step sizes' sum, each segment folds
 # those of the segments before (after) it into the state (adjoint) it starts from, then runs as
-# before. The extra pass costs each element one exponential and one scan more. S makes the grid
-# SEGMENT_WAVES waves of WAVE_PROGRAMS_PER_SM programs per SM, each segment at least
-# SEGMENT_MIN_BLOCKS time blocks.
+# before. The extra pass costs each element one exponential and one scan more, so only a grid of
+# under SEGMENT_BELOW waves of WAVE_PROGRAMS_PER_SM programs per SM is split (not Mamba-130m's at
+# B8 T2048: 1536 forward and 3072 backward programs on 132 SMs), into as many segments as make
+# SEGMENT_WAVES waves, each at least SEGMENT_MIN_BLOCKS time blocks.
 SEGMENTS = None  # None: from the grid (:func:`_segments`); an int: that many (tests, probes)
-SEGMENT_WAVES, SEGMENT_MIN_BLOCKS = 2, 8
+SEGMENT_BELOW, SEGMENT_WAVES, SEGMENT_MIN_BLOCKS = 1, 2, 8
 
 
 def _segments(programs: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
     """``(S, blocks per segment)`` for a grid of ``programs`` (sequences x channel blocks) over
     ``n_blocks`` time blocks: 1 segment under the interpreter unless :data:`SEGMENTS` says."""
+    wave = WAVE_PROGRAMS_PER_SM * (1 if launch.interpret() else launch.sm_count(device))
     if SEGMENTS is not None:
         wanted = SEGMENTS
-    elif launch.interpret():
+    elif launch.interpret() or programs >= SEGMENT_BELOW * wave:
         wanted = 1
     else:
-        wanted = min(triton.cdiv(SEGMENT_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device), programs),
-                     n_blocks // SEGMENT_MIN_BLOCKS)
+        wanted = min(triton.cdiv(SEGMENT_WAVES * wave, programs), n_blocks // SEGMENT_MIN_BLOCKS)
     per = triton.cdiv(n_blocks, max(1, min(wanted, n_blocks)))
     return triton.cdiv(n_blocks, per), per
 

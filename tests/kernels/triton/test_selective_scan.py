@@ -145,10 +145,11 @@ def test_time_segments_without_optional_inputs(monkeypatch):
 
 
 def test_time_segments_follow_the_grid(monkeypatch):
-    """One segment under the interpreter; on a GPU as many as make SEGMENT_WAVES waves of 8
-    programs per SM (an H200's 132 SMs: 2112 programs), each at least SEGMENT_MIN_BLOCKS time
-    blocks long: Mamba-130m's backward at B8 T2048 (3072 programs) runs whole, at B2 T8192 (768
-    programs, 512 blocks) in 3 segments."""
+    """One segment under the interpreter; on a GPU, a grid under one wave of 8 programs per SM
+    (an H200's 132 SMs: 1056) in as many as make SEGMENT_WAVES waves (2112 programs), each at
+    least SEGMENT_MIN_BLOCKS time blocks long: Mamba-130m at B8 T2048 (3072 backward and 1536
+    forward programs) runs whole, its backward at B2 T8192 (768 programs, 512 blocks) in 3
+    segments."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
@@ -156,7 +157,7 @@ def test_time_segments_follow_the_grid(monkeypatch):
     assert scan._segments(768, 512, cpu) == (1, 512)
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)
     monkeypatch.setattr(scan.launch, "sm_count", lambda device: 132)
-    assert scan._segments(3072, 128, cpu) == (1, 128)
+    assert scan._segments(3072, 128, cpu) == (1, 128) and scan._segments(1536, 128, cpu) == (1, 128)
     assert scan._segments(768, 512, cpu) == (3, 171)
     assert scan._segments(768, 16, cpu) == (2, 8)
     assert scan._segments(768, 7, cpu) == (1, 7)
