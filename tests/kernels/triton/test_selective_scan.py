@@ -144,6 +144,18 @@ def test_time_segments_without_optional_inputs(monkeypatch):
     _check_against_loop(x, softplus=False)
 
 
+def test_time_segments_without_a_graph(monkeypatch):
+    """An inference forward (no per-block states stored) in 3 segments, against the float64 loop."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", 3)
+    x = _inputs(length=45, groups=2, seed=7)
+    with torch.no_grad():
+        y, h = _run(selective_scan, {k: v.float() for k, v in x.items()})
+    y_ref, h_ref = _run(selective_scan_loop, x)
+    assert rel_err(y, y_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+
+
 def test_time_segments_follow_the_grid(monkeypatch):
     """One segment under the interpreter; on a GPU, a grid under one wave of 8 programs per SM
     (an H200's 132 SMs: 1056) in as many as make SEGMENT_WAVES waves (2112 programs), each at
