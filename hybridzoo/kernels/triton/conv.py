@@ -72,16 +72,14 @@ def _fixed(kind: str) -> dict:
 
 
 @triton.jit
-def _load_padded(x_ptr, s0_ptr, b, src, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.constexpr):
-    """``cat(initial_state, x)`` at positions ``src`` ``[BLOCK_T]`` of x (negative: the tail)
-    for channels ``d``, as float32 ``[BLOCK_T, BLOCK_D]`` (zero outside)."""
-    in_x = (src >= 0) & (src < T)
-    v = tl.load(x_ptr + (b * T + src)[:, None] * DM + d[None, :],
-                mask=in_x[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+def _padded(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.constexpr):
+    """``cat(initial_state, x)`` at positions ``pos`` of x (negative: the tail) for channels
+    ``d``, float32, zero outside; ``pos`` and ``d`` (with ``dmask``) broadcast against each other:
+    one position and ``[BLOCK_D]`` channels give a row, ``[BLOCK_T, 1]`` and ``[1, BLOCK_D]`` a tile."""
+    v = tl.load(x_ptr + (b * T + pos) * DM + d, mask=dmask & (pos >= 0) & (pos < T), other=0.0).to(tl.float32)
     if HAS_S0:
-        in_s = (src < 0) & (src >= 1 - W)
-        v += tl.load(s0_ptr + (b * (W - 1) + (W - 1) + src)[:, None] * DM + d[None, :],
-                     mask=in_s[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        v += tl.load(s0_ptr + (b * (W - 1) + (W - 1) + pos) * DM + d,
+                     mask=dmask & (pos < 0) & (pos >= 1 - W), other=0.0).to(tl.float32)
     return v
 
 
@@ -93,7 +91,8 @@ def _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM,
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for i in tl.static_range(W):
         w_i = tl.load(w_ptr + d * W + i, mask=dmask, other=0.0).to(tl.float32)
-        acc += w_i[None, :] * _load_padded(x_ptr, s0_ptr, b, t - (W - 1) + i, d, dmask, T, DM, W, HAS_S0)
+        x_i = _padded(x_ptr, s0_ptr, b, (t - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, W, HAS_S0)
+        acc += w_i[None, :] * x_i
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -155,7 +154,7 @@ def _bwd_kernel(
                  W, HAS_BIAS, HAS_S0, SILU, BLOCK_T, BLOCK_D)
     part = (b * NTB + tb) * DM + d  # partial-sum row of this program
     for i in tl.static_range(W):
-        x_i = _load_padded(x_ptr, s0_ptr, b, s - (W - 1) + i, d, dmask, T, DM, W, HAS_S0)
+        x_i = _padded(x_ptr, s0_ptr, b, (s - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, W, HAS_S0)
         tl.store(dw_ptr + part * W + i, tl.sum(dpre * x_i, axis=0), mask=dmask)
     if HAS_BIAS:
         tl.store(db_ptr + part, tl.sum(dpre, axis=0), mask=dmask)
@@ -172,17 +171,6 @@ def _pick(k: tl.constexpr, v0, v1, v2, v3):
         return v2
     else:
         return v3
-
-
-@triton.jit
-def _row(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.constexpr):
-    """``cat(initial_state, x)`` at the one position ``pos`` of x (negative: the tail) for
-    channels ``d``, float32 ``[BLOCK_D]`` (zero outside)."""
-    v = tl.load(x_ptr + (b * T + pos) * DM + d, mask=dmask & (pos >= 0) & (pos < T), other=0.0).to(tl.float32)
-    if HAS_S0:
-        v += tl.load(s0_ptr + (b * (W - 1) + (W - 1) + pos) * DM + d,
-                     mask=dmask & (pos < 0) & (pos >= 1 - W), other=0.0).to(tl.float32)
-    return v
 
 
 @triton.jit
@@ -208,13 +196,13 @@ def _bwd_seq_kernel(
     xm1, xm2, xm3 = zero, zero, zero
     if W > 1:
         v1 = tl.load(w_ptr + d * W + (W - 2), mask=dmask, other=0.0).to(tl.float32)
-        xm1 = _row(x_ptr, s0_ptr, b, start - 1, d, dmask, T, DM, W, HAS_S0)
+        xm1 = _padded(x_ptr, s0_ptr, b, start - 1, d, dmask, T, DM, W, HAS_S0)
     if W > 2:
         v2 = tl.load(w_ptr + d * W + (W - 3), mask=dmask, other=0.0).to(tl.float32)
-        xm2 = _row(x_ptr, s0_ptr, b, start - 2, d, dmask, T, DM, W, HAS_S0)
+        xm2 = _padded(x_ptr, s0_ptr, b, start - 2, d, dmask, T, DM, W, HAS_S0)
     if W > 3:
         v3 = tl.load(w_ptr + d * W + (W - 4), mask=dmask, other=0.0).to(tl.float32)
-        xm3 = _row(x_ptr, s0_ptr, b, start - 3, d, dmask, T, DM, W, HAS_S0)
+        xm3 = _padded(x_ptr, s0_ptr, b, start - 3, d, dmask, T, DM, W, HAS_S0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
     p1, p2, p3 = zero, zero, zero
@@ -222,7 +210,7 @@ def _bwd_seq_kernel(
     for trip in tl.range(0, CHUNK // UNROLL + 1):
         for j in tl.static_range(UNROLL):
             t = start + trip * UNROLL + j
-            x0 = _row(x_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_S0)
+            x0 = _padded(x_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_S0)
             dy = tl.load(dy_ptr + (b * T + t) * DM + d, mask=dmask & (t >= 0) & (t < T), other=0.0).to(tl.float32)
             if SILU:
                 pre = v0 * x0

@@ -156,9 +156,15 @@ def _step_size(raw, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
-def _channels(pid, N, PER_GROUP, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program ``pid``'s block of channels: ``(group, d [BLOCK_D], its mask, n [BLOCK_N], its
-    mask, dn [BLOCK_N, BLOCK_D] the offsets into a [Dm, N] tensor, their mask)``."""
+def _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """What every kernel's program ``(b, channel block, s)`` starts from: ``(b (int64), s, group,
+    d [BLOCK_D], its mask, n [BLOCK_N], its mask, dn [BLOCK_N, BLOCK_D] the offsets into a
+    [Dm, N] tensor, their mask, A [BLOCK_N, BLOCK_D] float32, delta_bias [BLOCK_D] float32 (zeros
+    when absent))``."""
+    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    seg = tl.program_id(2)
     n_dblk = tl.cdiv(PER_GROUP, BLOCK_D)
     g = pid // n_dblk
     cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)  # channel within the group
@@ -166,7 +172,10 @@ def _channels(pid, N, PER_GROUP, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     d = g * PER_GROUP + cols
     n = tl.arange(0, BLOCK_N)
     nmask = n < N
-    return g, d, dmask, n, nmask, d[None, :] * N + n[:, None], nmask[:, None] & dmask[None, :]
+    dn = d[None, :] * N + n[:, None]
+    dn_mask = nmask[:, None] & dmask[None, :]
+    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
+    return b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, _channel_values(bias_ptr, d, dmask, HAS_BIAS)
 
 
 @triton.jit
@@ -253,13 +262,10 @@ def _fwd_kernel(
     whole sequence when ``S == 1``; ``NB_LOOP``: ``BPS`` as a constexpr under the interpreter).
     With ``SEGMENTED`` the segment starts from the state folded from the segments before it:
     ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``)."""
-    b = tl.program_id(0).to(tl.int64)
-    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
-    seg = tl.program_id(2)
-    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
+    b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
+                                                                    BLOCK_D, BLOCK_N)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     if HAS_H0:
         h = tl.load(h0_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
@@ -303,11 +309,8 @@ def _fwd_carry_kernel(
     """Program ``(b, channel block, s)``: segment ``s``'s own contribution to the state after it,
     from a zero state (``hl [B, S, Dm, N]``), and its step sizes' sum (``sdt [B, S, Dm]``: the
     segment multiplies the state entering it by ``exp(A ΣΔ)``), both float32."""
-    b = tl.program_id(0).to(tl.int64)
-    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
-    seg = tl.program_id(2)
-    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
-    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
+    b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
+                                                                    BLOCK_D, BLOCK_N)
     h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     sdt = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
@@ -336,13 +339,10 @@ def _bwd_kernel(
     is folded from the segments after it: ``g ← gl_s' + exp(A ΣΔ'_s') g``
     (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
     (batch, segment), summed in torch."""
-    b = tl.program_id(0).to(tl.int64)
-    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
-    seg = tl.program_id(2)
-    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
+    b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
+                                                                    BLOCK_D, BLOCK_N)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
     if HAS_DHT:  # the adjoint after the last token
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
@@ -427,11 +427,8 @@ def _bwd_carry_kernel(
     the next tokens' step sizes over its tokens (``sdtn [B, S, Dm]``: the segment carries the
     adjoint entering after it back by ``exp(A ΣΔ')``), both float32. Only the output gradient
     ``dy`` feeds it (the final state's enters through the last segment)."""
-    b = tl.program_id(0).to(tl.int64)
-    g, d, dmask, n, nmask, dn, dn_mask = _channels(tl.program_id(1), N, PER_GROUP, BLOCK_D, BLOCK_N)
-    seg = tl.program_id(2)
-    A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0).to(tl.float32)
-    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
+    b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
+                                                                    BLOCK_D, BLOCK_N)
     carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     sdtn = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
