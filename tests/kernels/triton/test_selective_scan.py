@@ -324,6 +324,18 @@ def test_gpu_gradients(monkeypatch, dtype, tol, length, dm, groups):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("segments", [2, 5])
+def test_gpu_forced_segments(monkeypatch, segments):
+    """Time segments forced on a grid the rule would leave whole or split otherwise (B2 T4099
+    D512 N16, 4 groups): forward, final state and every gradient in bf16 against the float32
+    reference, as above."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "SEGMENTS", segments)
+    test_gpu_gradients(monkeypatch, torch.bfloat16, 1e-2, 4099, 512, 4)
+
+
+@pytest.mark.gpu
 def test_gpu_full_shape_backward_no_nan(monkeypatch):
     """The full benchmark shape through forward and backward in bf16: every gradient finite;
     the channel-local gradients of the first 128 channels against the reference run on them."""
