@@ -9,7 +9,7 @@ and warps, on CUDA: which launch settings are fastest at a shape.
 so that a rewritten kernel can be timed beside the packaged one on the same inputs. ``--maxnreg
 0,168`` also times each backward setting with its registers capped (0: no cap; each row's
 ``maxnreg``). ``--segments`` (1 by default: each program runs a whole sequence) sets the time
-segments of the module's grids (``auto``: its own choice).
+segments of the module's grids.
 
 bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
 is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
@@ -43,9 +43,8 @@ def main() -> int:
                         help="skip settings whose tile puts more elements on a thread")
     parser.add_argument("--module", default="hybridzoo.kernels.triton.selective_scan",
                         help="the module whose selective_scan and _config are timed")
-    parser.add_argument("--segments", default="1",
-                        help="time segments: 1 (the grid as is, the default), an int, or auto "
-                             "(the module's own choice from the grid)")
+    parser.add_argument("--segments", type=int, default=1,
+                        help="time segments: 1 (the grid as is, the default) or more")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -58,7 +57,7 @@ def main() -> int:
 
     launch.AUTOTUNE = False
     if hasattr(module, "SEGMENTS"):
-        module.SEGMENTS = None if args.segments == "auto" else int(args.segments)
+        module.SEGMENTS = args.segments
     batch, length, dm, n = (int(v) for v in args.shape.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
 

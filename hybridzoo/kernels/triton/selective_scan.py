@@ -101,7 +101,7 @@ FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (
 # candidates; with autotuning off, the cap is taken from BWD_CAP_WAVES waves of uncapped programs.
 BWD_MAXNREG, BWD_CAP_WAVES = 168, 2
 # One-warp backward programs an SM holds at once uncapped: 255 registers x 32 threads each, of the
-# SM's 64K registers (sm_90). The unit of BWD_CAP_WAVES and SEGMENT_WAVES.
+# SM's 64K registers (sm_90). The unit of BWD_CAP_WAVES.
 WAVE_PROGRAMS_PER_SM = 8
 BWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w)
                for d, w in ((4, 1), (8, 2), (16, 4), (32, 8), (2, 8), (4, 8))]
@@ -463,31 +463,24 @@ def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     return programs >= BWD_CAP_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device)
 
 
-# Time segments. One program per (sequence, channel block) runs the whole sequence: at a long T and
-# a small batch (B2 T8192 over Mamba-130m's 1536 channels: 768 backward programs, under one wave
-# of 8 per SM on an H200) most of the GPU idles. Such a grid runs its time blocks in S segments
-# side by side: a first pass gives each segment's own contribution to the state after it (the
-# forward) or to the adjoint before it (the backward) and its step sizes' sum, each segment folds
-# those of the segments before (after) it into the state (adjoint) it starts from, then runs as
-# before. The extra pass costs each element one exponential and one scan more, so only a grid of
-# under SEGMENT_BELOW waves of WAVE_PROGRAMS_PER_SM programs per SM is split (not Mamba-130m's at
-# B8 T2048: 1536 forward and 3072 backward programs on 132 SMs), into as many segments as make
-# SEGMENT_WAVES waves, each at least SEGMENT_MIN_BLOCKS time blocks.
-SEGMENTS = None  # None: from the grid (:func:`_segments`); an int: that many (tests, probes)
-SEGMENT_BELOW, SEGMENT_WAVES, SEGMENT_MIN_BLOCKS = 1, 2, 8
+# Time segments. One program per (sequence, channel block) runs the whole sequence. A grid can
+# instead run its time blocks in S segments side by side: a first pass gives each segment's own
+# contribution to the state after it (the forward) or to the adjoint before it (the backward) and
+# its step sizes' sum, each segment folds those of the segments before (after) it into the state
+# (adjoint) it starts from, then runs as before. The extra pass costs each element one exponential
+# and one scan more. It was meant for long sequences in small batches, where the grid is under one
+# wave of programs, but measured on an H200 it did not pay there: Mamba-130m's backward at B2 T8192
+# (768 programs, under one wave of 8 per SM) took 4.75 ms in 3 segments against 4.08 ms whole
+# (bf16, Triton 3.6, scripts/probe_scan_configs.py --segments;
+# benchmarks/results/2026-12-03-probe-scan-segments-h200-65b7fee.jsonl). So every grid runs whole
+# unless SEGMENTS asks for more (tests force 2 to 5 against the float64 loop; probes time them).
+SEGMENTS = 1
 
 
-def _segments(programs: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
-    """``(S, blocks per segment)`` for a grid of ``programs`` (sequences x channel blocks) over
-    ``n_blocks`` time blocks: 1 segment under the interpreter unless :data:`SEGMENTS` says."""
-    wave = WAVE_PROGRAMS_PER_SM * (1 if launch.interpret() else launch.sm_count(device))
-    if SEGMENTS is not None:
-        wanted = SEGMENTS
-    elif launch.interpret() or programs >= SEGMENT_BELOW * wave:
-        wanted = 1
-    else:
-        wanted = min(triton.cdiv(SEGMENT_WAVES * wave, programs), n_blocks // SEGMENT_MIN_BLOCKS)
-    per = triton.cdiv(n_blocks, max(1, min(wanted, n_blocks)))
+def _segments(n_blocks: int) -> tuple[int, int]:
+    """``(S, blocks per segment)`` for ``n_blocks`` time blocks in :data:`SEGMENTS` segments (fewer
+    where the blocks do not fill them: ``S · per >= n_blocks > (S - 1) · per``)."""
+    per = triton.cdiv(n_blocks, max(1, min(SEGMENTS, n_blocks)))
     return triton.cdiv(n_blocks, per), per
 
 
@@ -510,7 +503,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
     block_n = max(triton.next_power_of_2(n), 2)
     cfg = _config(training=store_ckpt, block_n=block_n)
     n_blocks = triton.cdiv(length, cfg["block_t"])
-    segments, per = _segments(batch * groups * triton.cdiv(per_group, cfg["fwd_block_d"]), n_blocks, u.device)
+    segments, per = _segments(n_blocks)
     y = launch.empty((batch, length, dm), u.dtype, u.device)
     final = launch.empty((batch, dm, n), torch.float32, u.device)
     ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
@@ -554,7 +547,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     dev = u.device
     n_blocks, block_n = ckpt.shape[1], max(triton.next_power_of_2(n), 2)
     programs = batch * groups * triton.cdiv(per_group, cfg["bwd_block_d"])
-    segments, per = _segments(programs, n_blocks, dev)
+    segments, per = _segments(n_blocks)
     fixed = dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"])
     if cfg.get("bwd_maxnreg"):
         fixed["maxnreg"] = cfg["bwd_maxnreg"]

@@ -156,25 +156,20 @@ def test_time_segments_without_a_graph(monkeypatch):
     assert rel_err(y, y_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
 
 
-def test_time_segments_follow_the_grid(monkeypatch):
-    """One segment under the interpreter; on a GPU, a grid under one wave of 8 programs per SM
-    (an H200's 132 SMs: 1056) in as many as make SEGMENT_WAVES waves (2112 programs), each at
-    least SEGMENT_MIN_BLOCKS time blocks long: Mamba-130m at B8 T2048 (3072 backward and 1536
-    forward programs) runs whole, its backward at B2 T8192 (768 programs, 512 blocks) in 3
-    segments."""
+def test_time_segments_split_the_blocks(monkeypatch):
+    """Whole sequences by default (time segments measured slower on an H200); a forced count
+    splits the time blocks into that many segments, fewer where the blocks do not fill them."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
-    cpu = torch.device("cpu")
-    assert scan._segments(768, 512, cpu) == (1, 512)
-    monkeypatch.setattr(scan.launch, "interpret", lambda: False)
-    monkeypatch.setattr(scan.launch, "sm_count", lambda device: 132)
-    assert scan._segments(3072, 128, cpu) == (1, 128) and scan._segments(1536, 128, cpu) == (1, 128)
-    assert scan._segments(768, 512, cpu) == (3, 171)
-    assert scan._segments(768, 16, cpu) == (2, 8)
-    assert scan._segments(768, 7, cpu) == (1, 7)
+    assert scan._segments(512) == (1, 512)
+    monkeypatch.setattr(scan, "SEGMENTS", 3)
+    assert scan._segments(512) == (3, 171)  # 171 + 171 + 170 blocks
     monkeypatch.setattr(scan, "SEGMENTS", 4)
-    assert scan._segments(3072, 10, cpu) == (4, 3)  # 3 + 3 + 3 + 1 blocks
+    assert scan._segments(10) == (4, 3)  # 3 + 3 + 3 + 1 blocks
+    assert scan._segments(3) == (3, 1)
+    monkeypatch.setattr(scan, "SEGMENTS", 5)
+    assert scan._segments(8) == (4, 2)  # 5 segments of 2 blocks would leave one empty
 
 
 def test_state_carrying():
