@@ -39,6 +39,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hybridzoo.kernels.triton.delta_rule as delta_rule  # noqa: E402
 import hybridzoo.kernels.triton.delta_rule_bwd as delta_rule_bwd  # noqa: E402
+import hybridzoo.kernels.triton.delta_rule_split as delta_rule_split  # noqa: E402
 import hybridzoo.kernels.triton.linear_attn as linear_attn  # noqa: E402
 from hybridzoo.kernels.triton import launch  # noqa: E402
 
@@ -147,7 +148,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
         la_warps = launch.warps(values["BK"], values["BV"])
         for module, warps, stages in ((linear_attn, la_warps, 3), (linear_attn_bwd, la_warps, 3),
                                       (delta_rule, dr.warps, dr.stages), (prefix_bwd, None, None),
-                                      (delta_rule_bwd, dr.warps, dr.stages)):
+                                      (delta_rule_bwd, dr.warps, dr.stages), (delta_rule_split, None, None)):
             for name, kernel in vars(module).items():
                 if (type(kernel).__name__ != "JITFunction" or kernel.__module__ != module.__name__
                         or not name.endswith("_kernel")):
@@ -155,7 +156,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                 params = inspect.signature(kernel.fn).parameters
                 constexprs = {p: values[p] for p in params if "constexpr" in str(params[p].annotation)}
                 launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
-                if module in (delta_rule, delta_rule_bwd):
+                if module in (delta_rule, delta_rule_bwd, delta_rule_split):
                     constexprs.update(BK=dr.BK, BV=dr.BV) if "BK" in constexprs else None
                     # the WY and _bwd_qk kernels' own launches, as the op makes them
                     own = {"_wy_fwd_kernel": dr.wy_consts, "_bwd_wy_kernel": dr.wy_consts,
@@ -178,6 +179,13 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                     constexprs.update(BM=bm, BN=bn)
                     launch_warps = warps
                 label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+                if module is delta_rule_split:  # every candidate the prune keeps at K = 256
+                    types["dv_ptr"] = "*fp32"
+                    kept = delta_rule_split.prune_split_configs(delta_rule_split.SPLIT_CONFIGS, {}, K=256)
+                    for c in kept:
+                        yield (f"{label} BV={c.kwargs['BV']} warps={c.num_warps} stages={c.num_stages} {dt}",
+                               kernel, types, dict(constexprs, BV=c.kwargs["BV"]), c.num_warps, c.num_stages)
+                    continue
                 yield f"{label} {dt}", kernel, types, constexprs, launch_warps, stages
                 if "HAS_TM" in constexprs:  # the backward's variant too: Tm read, not computed
                     yield (f"{label} HAS_TM {dt}", kernel, types, dict(constexprs, HAS_TM=True), launch_warps,

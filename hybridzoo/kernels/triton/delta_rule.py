@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.delta_rule import _check
-from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
+from hybridzoo.kernels.triton.delta_rule_split import SPLIT_FIXED, _state_fwd_split
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
                                                         _cols_block, _dot, _load_rows, _put, _rows_block,
                                                         _state_block, _state_decays, _store_rows, _tile,
@@ -260,13 +261,17 @@ class _Config:
         tile is ``bkw`` wide and its warps follow that tile (launch.warps)."""
         return dict(self.consts(), BK=self.bkw, num_warps=launch.warps(self.bkw, self.BV))
 
-    def state_launch(self) -> tuple:
-        """``(grid, constants, fixed)`` of an autotuned state kernel for :func:`launch.run`: the
-        V-block width and launch settings come from the autotuner on a GPU, else from ``fixed``."""
+    def state_launch(self, whole, split) -> tuple:
+        """``(kernel, grid, constants, fixed)`` of an autotuned state kernel for :func:`launch.run`:
+        ``whole`` (the ``[BK, BV]`` state in one tile), or ``split`` (64-row pieces,
+        :mod:`.delta_rule_split`) when ``delta_rule_common.SPLIT_STATE`` is set. The V-block width
+        and launch settings come from the autotuner on a GPU, else from ``fixed``."""
         tuned = ("BV", "num_warps", "num_stages")
         consts = {k: v for k, v in self.consts().items() if k not in tuned}
         fixed = {k: v for k, v in self.consts().items() if k in tuned}
-        return (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
+        if delta_rule_common.SPLIT_STATE:
+            whole, fixed = split, dict(SPLIT_FIXED)
+        return whole, (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
 
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
         return launch.empty(shape, dtype, self.device)
@@ -286,8 +291,8 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state, tm=None):
     _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, HAS_TM=has_tm, **cfg.wy_consts())
     h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
-    grid, consts, fixed = cfg.state_launch()
-    launch.run(_state_fwd, grid, k, w, u, log_a, h0, h, vn, ht, T, N,
+    kernel, grid, consts, fixed = cfg.state_launch(_state_fwd, _state_fwd_split)
+    launch.run(kernel, grid, k, w, u, log_a, h0, h, vn, ht, T, N,
                HAS_H0=initial_state is not None, N_INTERP=cfg.n_interp, fixed=fixed, **consts)
     return tm, w, u, h, vn, ht
 

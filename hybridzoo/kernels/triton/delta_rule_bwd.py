@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.delta_rule_split import _state_bwd_split
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
                                                         _cols_block, _dot, _load_rows, _put, _rows_block,
                                                         _state_block, _state_block_t, _state_decays, _store_rows,
@@ -225,8 +226,8 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     dh, dh0 = cfg.buf(B, H, N, K, V), cfg.buf(B, H, K, V)
     has_dht = dht is not None
     dht = dht.float().contiguous() if has_dht else dh0
-    grid, state_consts, fixed = cfg.state_launch()
-    launch.run(_state_bwd, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
+    kernel, grid, state_consts, fixed = cfg.state_launch(_state_bwd, _state_bwd_split)
+    launch.run(kernel, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
                HAS_DHT=has_dht, N_INTERP=cfg.n_interp, fixed=fixed, **state_consts)
     dq, dk, dw = cfg.buf(B, T, H, K), cfg.buf(B, T, H, K), cfg.buf(B, T, H, K)
     nk = triton.cdiv(K, cfg.bkw)  # key blocks of the WY kernels' width (64 on a GPU)

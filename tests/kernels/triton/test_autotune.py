@@ -88,7 +88,8 @@ def test_tuning_rounds_hold_each_kernel_to_each_config(monkeypatch):
 def test_compiled_mode_registers_one_autotuner_per_kernel():
     """Imported as on a GPU machine (no interpreter), every tuned kernel gets its own autotuner
     under ``<module>.<kernel>`` (the conv and the selective scan both have a ``_fwd_kernel``), and
-    the delta rule's state kernels prune their candidates (``prune_state_configs``)."""
+    the delta rule's state kernels prune their candidates (``prune_state_configs``, and
+    ``prune_split_configs`` for their 64-row-piece form)."""
     import os
     import subprocess
     import sys
@@ -99,12 +100,16 @@ def test_compiled_mode_registers_one_autotuner_per_kernel():
             "from hybridzoo.kernels.triton.delta_rule import prune_state_configs\n"
             "assert all(launch.TUNED[k].early_config_prune is prune_state_configs for k in\n"
             "           ('delta_rule._state_fwd_kernel', 'delta_rule_bwd._state_bwd_kernel'))\n"
+            "from hybridzoo.kernels.triton.delta_rule_split import prune_split_configs\n"
+            "assert all(launch.TUNED[k].early_config_prune is prune_split_configs for k in\n"
+            "           ('delta_rule_split._state_fwd_split_kernel', 'delta_rule_split._state_bwd_split_kernel'))\n"
             "print(' '.join(sorted(launch.TUNED)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == sorted(
         ["conv._fwd_kernel", "conv._bwd_kernel", "conv._bwd_seq_kernel", "delta_rule._state_fwd_kernel",
-         "delta_rule_bwd._state_bwd_kernel", "linear_attn._fwd_h_kernel", "linear_attn._fwd_o_kernel", "linear_attn_bwd._bwd_dh_kernel",
+         "delta_rule_bwd._state_bwd_kernel", "delta_rule_split._state_fwd_split_kernel",
+         "delta_rule_split._state_bwd_split_kernel", "linear_attn._fwd_h_kernel", "linear_attn._fwd_o_kernel", "linear_attn_bwd._bwd_dh_kernel",
          "linear_attn_bwd._bwd_dqk_kernel", "linear_attn_bwd._bwd_dv_kernel", "selective_scan._fwd_kernel",
          "selective_scan._bwd_kernel"])
 

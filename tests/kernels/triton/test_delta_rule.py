@@ -191,6 +191,39 @@ def test_head_dim_256():
     check(make_inputs(B=1, T=24, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
 
 
+@pytest.mark.parametrize("K, V, dtype, tol", [
+    (16, 24, torch.float32, 1e-5),      # one piece, narrower than 64
+    (100, 40, torch.float32, 1e-5),     # two pieces, the second masked past K
+    (150, 24, torch.float32, 1e-5),     # four pieces, the last wholly past K
+    (256, 70, torch.float32, 1e-5),     # four full pieces, three value blocks
+    (128, 64, torch.bfloat16, 1e-2),    # 16-bit dots on the pieces
+], ids=["K16", "K100", "K150", "K256", "K128-bf16"])
+def test_split_state_kernels_match_reference(K, V, dtype, tol, monkeypatch):
+    """The sequential state kernels with the state in 64-row pieces (delta_rule_split, on with
+    SPLIT_STATE) against the float64 reference: outputs, final state and every gradient, with an
+    initial state, grouped heads and a ragged length; their value blocks are 32 wide (SPLIT_FIXED)
+    where the chunk kernels' are 64. The split kernels are really the ones launched."""
+    from hybridzoo.kernels.triton import delta_rule_bwd, delta_rule_common, delta_rule_split
+
+    monkeypatch.setattr(delta_rule_common, "SPLIT_STATE", True)
+    launched = []
+
+    class Spy:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for module, name in ((triton_delta_rule, "_state_fwd_split"), (delta_rule_bwd, "_state_bwd_split")):
+        monkeypatch.setattr(module, name, Spy(getattr(module, name), name))
+    assert delta_rule_split.SPLIT_FIXED["BV"] == 32
+    check(make_inputs(B=1, T=41, Hk=1, H=2, K=K, V=V, dtype=dtype, seed=K), chunk_size=16, tol=tol,
+          grad_tol=tol)
+    assert launched == ["_state_fwd_split", "_state_fwd_split", "_state_bwd_split"]
+
+
 def check_inverse_reuse(inputs, chunk_size, tol, monkeypatch):
     """The forward keeps Tm in the inputs' dtype and the backward's recompute reads it (HAS_TM)
     instead of rebuilding A and its inverse: W, U0, the states and Vn come out bit for bit as the
@@ -334,6 +367,28 @@ def test_gpu_every_state_setting(head_dim, monkeypatch):
     for i in tuning_rounds(monkeypatch, configs_of):
         inputs = make_inputs(B=1, T=1000, Hk=2, H=4, K=head_dim, V=head_dim, dtype=torch.bfloat16, seed=20 + i)
         check(inputs, chunk_size=64, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_every_split_state_setting(head_dim, dtype, monkeypatch):
+    """The split state kernels (SPLIT_STATE, delta_rule_split) at each launch setting their
+    autotuner may pick, one round per setting and then one round of autotuning over all of them,
+    NaN-poisoned outputs, at a length no chunk divides: outputs and gradients vs the float64
+    reference (bf16 <= 1e-2, fp32 <= 1e-4). A setting that faults here would kill an autotuning run."""
+    from hybridzoo.kernels.triton import delta_rule_bwd, delta_rule_common, delta_rule_split
+    from tests.kernels.triton.tuning import tuning_rounds
+
+    monkeypatch.setattr(delta_rule_common, "SPLIT_STATE", True)
+    configs = delta_rule_split.prune_split_configs(delta_rule_split.SPLIT_CONFIGS, {}, K=head_dim)
+    configs_of = {delta_rule_split._state_fwd_split: configs, delta_rule_split._state_bwd_split: configs}
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for each in (True, False):
+        for i in tuning_rounds(monkeypatch, configs_of, each=each):
+            inputs = make_inputs(B=1, T=1000, Hk=2, H=4, K=head_dim, V=head_dim, dtype=dtype, seed=30 + (i or 0))
+            check(inputs, chunk_size=64, tol=tol)
+    assert delta_rule_bwd._state_bwd_split is delta_rule_split._state_bwd_split
 
 
 @pytest.mark.gpu

@@ -1,0 +1,190 @@
+"""The delta rule's two sequential state kernels with the ``[K, BV]`` state held as 64-row pieces.
+
+Same inputs, outputs and math as ``_state_fwd_kernel`` (:mod:`.delta_rule`) and
+``_state_bwd_kernel`` (:mod:`.delta_rule_bwd`); only the shape of the work differs. The state
+``[BK, BV]`` lives as up to four ``[BKS, BV]`` pieces (``BKS = min(BK, 64)``: key rows ``0-63``,
+``64-127``, ...), and every product with it is a sum of ``[C, BKS] x [BKS, BV]`` dots or a
+``[BKS, C] x [C, BV]`` dot per piece. No dot has an operand wider than 64 along K, so value
+tiles may be 32 wide at any K (the whole-state kernels need 64-wide ones for 16-bit inputs from
+K = 64, :func:`.delta_rule_common.value_tile_floor`): twice the programs per (batch, head), each
+with half the state, where the sequential loop sets the pace.
+
+Off by default (:data:`.delta_rule_common.SPLIT_STATE`): the form is tested against the float64
+reference under the interpreter and compiles for sm_90, but is not yet run on a GPU, where the
+whole-state kernels' 32-wide tiles met Triton code-generation faults.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.delta_rule_common import (_cols_block, _dot, _put, _rows_block, _state_block,
+                                                        _state_decays, _tile)
+
+# Candidates of the split kernels, by what they cost in registers when compiled for sm_90 with
+# Triton 3.7.1 (scripts/kernel_resources.py; spill stores per thread, forward / backward, bf16,
+# K 128, V 256): 32-wide value tiles on 4 warps, 28 / 132 B with one stage and 488 / 584 B with two
+# (a chunk's W, U and key pieces do not depend on the carried state, so their loads can run a
+# chunk ahead); 64-wide ones on 8 warps, 76 / 40 B and 324 / 24 B. 2 warps spilled 0.5-25 KB and
+# 64-wide tiles on 4 warps 0.8-1.7 KB; 8 warps on 32-wide tiles are the shape class of a Triton
+# 3.6 fault (launch.WARPS). Two stages only up to 128-wide keys (prune_split_configs).
+SPLIT_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+                 for bv, warps, stages in ((32, 4, 1), (32, 4, 2), (64, 8, 1), (64, 8, 2))]
+# their launch with autotuning off (and under the interpreter, where it tests value blocks
+# narrower than the whole-state launch's)
+SPLIT_FIXED = {"BV": 32, "num_warps": 4, "num_stages": 1}
+
+
+def prune_split_configs(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's ``early_config_prune`` for the split kernels: two pipelining stages only up
+    to 128-wide keys (at K = 256 in float32 the backward's two-stage candidates need 246 and
+    300 KB of shared memory on sm_90, more than an H200's 227 KB)."""
+    bk = max(32, triton.next_power_of_2({**named_args, **kwargs}["K"]))
+    return [c for c in configs if c.num_stages == 1 or bk <= 128]
+
+
+@triton.jit
+def _piece(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, k0: tl.constexpr, BKS: tl.constexpr,
+           BV: tl.constexpr):
+    """The ``[BKS, BV]`` piece of a ``[K, V]`` state at ``ptr + base`` from key row ``k0`` (value
+    columns from ``i_v · BV``), as ``(pointers, mask)``."""
+    return _state_block(ptr + k0 * V, base, K - k0, V, i_v, BKS, BV)
+
+
+@triton.jit
+def _state_fwd_split_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N,
+                            H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over chunks for one (batch, head, V-block), the state in 64-row pieces
+    ``s0..s3``: stores the state entering each chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0``
+    and the final state."""
+    BKS: tl.constexpr = 64 if BK > 64 else BK
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
+    s_base = i_bh.to(tl.int64) * K * V
+    s0 = tl.zeros([BKS, BV], dtype=tl.float32)
+    if HAS_H0:
+        s0 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 0, BKS, BV))
+    if BK > 64:
+        s1 = tl.zeros([BKS, BV], dtype=tl.float32)
+        if HAS_H0:
+            s1 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 64, BKS, BV))
+    if BK > 128:
+        s2 = tl.zeros([BKS, BV], dtype=tl.float32)
+        s3 = tl.zeros([BKS, BV], dtype=tl.float32)
+        if HAS_H0:
+            s2 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 128, BKS, BV))
+            s3 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 192, BKS, BV))
+    for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
+        h_base = (i_bh.to(tl.int64) * N + i_n) * K * V
+        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+        _put(_piece(h_ptr, h_base, K, V, i_v, 0, BKS, BV), s0)
+        vn = u - _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BKS)), s0, DT, PREC)
+        if BK > 64:
+            _put(_piece(h_ptr, h_base, K, V, i_v, 64, BKS, BV), s1)
+            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 64, BKS)), s1, DT, PREC)
+        if BK > 128:
+            _put(_piece(h_ptr, h_base, K, V, i_v, 128, BKS, BV), s2)
+            _put(_piece(h_ptr, h_base, K, V, i_v, 192, BKS, BV), s3)
+            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 128, BKS)), s2, DT, PREC)
+            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 192, BKS)), s3, DT, PREC)
+        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True), vn)
+        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
+        vs = vn * gamma_out[:, None]
+        hk, Hk = h // G, H // G
+        s0 = s0 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), vs, DT, PREC)
+        if BK > 64:
+            s1 = s1 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), vs,
+                                         DT, PREC)
+        if BK > 128:
+            s2 = s2 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), vs,
+                                         DT, PREC)
+            s3 = s3 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), vs,
+                                         DT, PREC)
+    _put(_piece(ht_ptr, s_base, K, V, i_v, 0, BKS, BV), s0)
+    if BK > 64:
+        _put(_piece(ht_ptr, s_base, K, V, i_v, 64, BKS, BV), s1)
+    if BK > 128:
+        _put(_piece(ht_ptr, s_base, K, V, i_v, 128, BKS, BV), s2)
+        _put(_piece(ht_ptr, s_base, K, V, i_v, 192, BKS, BV), s3)
+
+
+@triton.jit
+def _state_bwd_split_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_ptr, dh0_ptr,
+                            scale, T, N,
+                            H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
+    """Reverse over chunks for one (batch, head, V-block), the state's gradient in 64-row pieces
+    ``d0..d3``: stores ``dS1`` of each chunk in ``dh [B, H, N, K, V]``, turns the local dVn (in
+    ``dv``) into the full dVn in place, and writes the initial state's gradient."""
+    BKS: tl.constexpr = 64 if BK > 64 else BK
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    b, h = i_bh // H, i_bh % H
+    DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
+    s_base = i_bh.to(tl.int64) * K * V
+    d0 = tl.zeros([BKS, BV], dtype=tl.float32)
+    if HAS_DHT:
+        d0 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 0, BKS, BV))
+    if BK > 64:
+        d1 = tl.zeros([BKS, BV], dtype=tl.float32)
+        if HAS_DHT:
+            d1 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 64, BKS, BV))
+    if BK > 128:
+        d2 = tl.zeros([BKS, BV], dtype=tl.float32)
+        d3 = tl.zeros([BKS, BV], dtype=tl.float32)
+        if HAS_DHT:
+            d2 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 128, BKS, BV))
+            d3 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 192, BKS, BV))
+    hk, Hk = h // G, H // G
+    for i in range(0, N_INTERP if N_INTERP > 0 else N):
+        i_n = N - 1 - i
+        h_base = (i_bh.to(tl.int64) * N + i_n) * K * V
+        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
+        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)
+        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+        do = do * (gamma_in * scale)[:, None]
+        # dVn = local + (e ⊙ K) dS1
+        _put(_piece(dh_ptr, h_base, K, V, i_v, 0, BKS, BV), d0)
+        kd = _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), d0, DT, PREC)
+        if BK > 64:
+            _put(_piece(dh_ptr, h_base, K, V, i_v, 64, BKS, BV), d1)
+            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), d1, DT, PREC)
+        if BK > 128:
+            _put(_piece(dh_ptr, h_base, K, V, i_v, 128, BKS, BV), d2)
+            _put(_piece(dh_ptr, h_base, K, V, i_v, 192, BKS, BV), d3)
+            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), d2, DT, PREC)
+            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), d3, DT, PREC)
+        dvn = _tile(dv_block).to(tl.float32) + kd * gamma_out[:, None]
+        _put(dv_block, dvn)
+        # dS0 = γ_C dS1 + (γ ⊙ Q)ᵀ dO − Wᵀ dVn, piece by piece
+        d0 = d0 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), do, DT, PREC) \
+            - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BKS)), dvn, DT, PREC)
+        if BK > 64:
+            d1 = d1 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), do, DT,
+                                         PREC) \
+                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 64, BKS)), dvn, DT, PREC)
+        if BK > 128:
+            d2 = d2 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), do, DT,
+                                         PREC) \
+                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 128, BKS)), dvn, DT, PREC)
+            d3 = d3 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), do, DT,
+                                         PREC) \
+                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 192, BKS)), dvn, DT, PREC)
+    _put(_piece(dh0_ptr, s_base, K, V, i_v, 0, BKS, BV), d0)
+    if BK > 64:
+        _put(_piece(dh0_ptr, s_base, K, V, i_v, 64, BKS, BV), d1)
+    if BK > 128:
+        _put(_piece(dh0_ptr, s_base, K, V, i_v, 128, BKS, BV), d2)
+        _put(_piece(dh0_ptr, s_base, K, V, i_v, 192, BKS, BV), d3)
+
+
+STATE_SPLIT_KEY = ["H", "G", "K", "V", "C", "PREC"]
+_state_fwd_split = launch.autotuned(_state_fwd_split_kernel, SPLIT_CONFIGS, STATE_SPLIT_KEY, prune=prune_split_configs)
+# dv_ptr (dVn) is updated in place: restored between autotuning trials
+_state_bwd_split = launch.autotuned(_state_bwd_split_kernel, SPLIT_CONFIGS, STATE_SPLIT_KEY, prune=prune_split_configs,
+                                    restore=("dv_ptr",))
