@@ -81,8 +81,15 @@ def test_chunk_linear_attn_in_bounds(B, T, Hk, H, Kd, V, decay):
     assert report.launches > 0 and report.violations == [], report.violations
 
 
-@pytest.mark.parametrize("B,T,Hk,H,Kd,V", [(1, 45, 1, 2, 32, 16), (2, 20, 2, 2, 16, 40)])
-def test_chunk_delta_rule_in_bounds(B, T, Hk, H, Kd, V):
+@pytest.mark.parametrize("B,T,Hk,H,Kd,V,split", [(1, 45, 1, 2, 32, 16, False), (2, 20, 2, 2, 16, 40, False),
+                                                 (1, 21, 1, 2, 150, 40, True)],
+                         ids=["K32", "K16", "K150-split-state"])
+def test_chunk_delta_rule_in_bounds(B, T, Hk, H, Kd, V, split, monkeypatch):
+    """The last case runs the state kernels in 64-row pieces (delta_rule_split): K 150 has a
+    piece masked past K and one wholly past it."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.delta_rule_common"), "SPLIT_STATE", split)
     torch.manual_seed(1)
     q = _leaf(B, T, Hk, Kd, dtype=torch.float16)
     k = torch.nn.functional.normalize(torch.randn(B, T, Hk, Kd), dim=-1).half().requires_grad_(True)
