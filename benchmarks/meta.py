@@ -4,7 +4,9 @@
     header = run_metadata(peers=("fla", "mamba_ssm"))
     write_json("out.json", {**header, "rows": rows})
 
-``run_metadata`` returns ``{"date", "commit", "dirty", "device", "device_count", "versions"}``;
+``run_metadata`` returns ``{"date", "commit", "dirty", "device", "device_count", "versions",
+"settings"}``; ``settings`` holds the ``HYBRIDZOO_*`` environment variables that change which
+kernels run (``HYBRIDZOO_AUTOTUNE``, ``HYBRIDZOO_FUSED``, ``HYBRIDZOO_SPLIT_STATE``) as set;
 ``versions`` holds python, torch, triton and CUDA (``torch.version.cuda``; None on a CPU build)
 and, for each name in ``peers``, that package's version, or None where it is not installed.
 ``HYBRIDZOO_COMMIT`` overrides the commit (for a copy of the checkout without git metadata).
@@ -13,6 +15,7 @@ and, for each name in ``peers``, that package's version, or None where it is not
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import torch
 from hybridzoo.utils import run_metadata as _base_metadata
 
 PEERS = ("fla", "mamba_ssm", "causal_conv1d", "transformers")
+SETTINGS = ("HYBRIDZOO_AUTOTUNE", "HYBRIDZOO_FUSED", "HYBRIDZOO_SPLIT_STATE")
 
 
 def run_metadata(peers: tuple[str, ...] = ()) -> dict:
@@ -30,6 +34,7 @@ def run_metadata(peers: tuple[str, ...] = ()) -> dict:
     meta = _base_metadata(tuple(dict.fromkeys(("triton", *peers, *imported))))
     meta["versions"]["cuda"] = torch.version.cuda
     meta["device_count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    meta["settings"] = {name: os.environ[name] for name in SETTINGS if name in os.environ}
     return meta
 
 

@@ -43,9 +43,12 @@ def test_module_entry_point_help():
     assert "kernels" in out.stdout and "seco" in out.stdout
 
 
-def test_run_metadata_records_versions_and_imported_peers():
+def test_run_metadata_records_versions_and_imported_peers(monkeypatch):
+    monkeypatch.setenv("HYBRIDZOO_SPLIT_STATE", "1")
+    monkeypatch.delenv("HYBRIDZOO_FUSED", raising=False)
     record = meta.run_metadata(peers=("no_such_package_xyz",))
-    assert {"date", "commit", "dirty", "device", "device_count", "versions"} <= set(record)
+    assert {"date", "commit", "dirty", "device", "device_count", "versions", "settings"} <= set(record)
+    assert record["settings"].get("HYBRIDZOO_SPLIT_STATE") == "1" and "HYBRIDZOO_FUSED" not in record["settings"]
     versions = record["versions"]
     assert {"python", "torch", "triton", "cuda"} <= set(versions)
     assert versions["no_such_package_xyz"] is None  # asked for, not installed: recorded as absent
