@@ -25,11 +25,12 @@ from hybridzoo.kernels.triton.delta_rule_common import (_cols_block, _dot, _put,
 
 # Candidates of the split kernels, by what they cost in registers when compiled for sm_90 with
 # Triton 3.7.1 (scripts/kernel_resources.py; spill stores per thread, forward / backward, bf16,
-# K 128, V 256): 32-wide value tiles on 4 warps, 28 / 132 B with one stage and 488 / 584 B with two
+# K 128, V 256): 32-wide value tiles on 4 warps, 0 / 4 B with one stage and 192 / 24 B with two
 # (a chunk's W, U and key pieces do not depend on the carried state, so their loads can run a
-# chunk ahead); 64-wide ones on 8 warps, 76 / 40 B and 324 / 24 B. 2 warps spilled 0.5-25 KB and
-# 64-wide tiles on 4 warps 0.8-1.7 KB; 8 warps on 32-wide tiles are the shape class of a Triton
-# 3.6 fault (launch.WARPS). Two stages only up to 128-wide keys (prune_split_configs).
+# chunk ahead); 64-wide ones on 8 warps, 0 / 16 B and 72 / 32 B (at K 256: 136 to 284 B). In an
+# earlier form of these kernels 2 warps spilled 0.5-25 KB and 64-wide tiles on 4 warps 0.8-1.7 KB;
+# 8 warps on 32-wide tiles are the shape class of a Triton 3.6 fault (launch.WARPS). Two stages
+# only up to 128-wide keys (prune_split_configs).
 SPLIT_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (32, 4, 2), (64, 8, 1), (64, 8, 2))]
 # their launch with autotuning off (and under the interpreter, where it tests value blocks
@@ -39,8 +40,8 @@ SPLIT_FIXED = {"BV": 32, "num_warps": 4, "num_stages": 1}
 
 def prune_split_configs(configs: list, named_args: dict, **kwargs) -> list:
     """The autotuner's ``early_config_prune`` for the split kernels: two pipelining stages only up
-    to 128-wide keys (at K = 256 in float32 the backward's two-stage candidates need 246 and
-    300 KB of shared memory on sm_90, more than an H200's 227 KB)."""
+    to 128-wide keys (at K = 256 in float32 the backward's two-stage candidates need 225 KB and
+    261 KB of shared memory on sm_90, against an H200's 227 KB)."""
     bk = max(32, triton.next_power_of_2({**named_args, **kwargs}["K"]))
     return [c for c in configs if c.num_stages == 1 or bk <= 128]
 
@@ -51,6 +52,67 @@ def _piece(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, k0: tl.constexpr, B
     """The ``[BKS, BV]`` piece of a ``[K, V]`` state at ``ptr + base`` from key row ``k0`` (value
     columns from ``i_v · BV``), as ``(pointers, mask)``."""
     return _state_block(ptr + k0 * V, base, K - k0, V, i_v, BKS, BV)
+
+
+@triton.jit
+def _pieces(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BKS: tl.constexpr,
+            BV: tl.constexpr, LOAD: tl.constexpr):
+    """A ``[K, V]`` state's four ``[BKS, BV]`` float32 pieces read from ``ptr + base`` (``LOAD``),
+    or zeros; pieces past ``BK`` stay zero and unused."""
+    p0 = tl.zeros([BKS, BV], dtype=tl.float32)
+    p1 = tl.zeros([BKS, BV], dtype=tl.float32)
+    p2 = tl.zeros([BKS, BV], dtype=tl.float32)
+    p3 = tl.zeros([BKS, BV], dtype=tl.float32)
+    if LOAD:
+        p0 += _tile(_piece(ptr, base, K, V, i_v, 0, BKS, BV))
+        if BK > 64:
+            p1 += _tile(_piece(ptr, base, K, V, i_v, 64, BKS, BV))
+        if BK > 128:
+            p2 += _tile(_piece(ptr, base, K, V, i_v, 128, BKS, BV))
+            p3 += _tile(_piece(ptr, base, K, V, i_v, 192, BKS, BV))
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _put_pieces(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constexpr, BKS: tl.constexpr,
+                BV: tl.constexpr, p0, p1, p2, p3):
+    """Store the pieces of :func:`_pieces` (those within ``BK``) at ``ptr + base``."""
+    _put(_piece(ptr, base, K, V, i_v, 0, BKS, BV), p0)
+    if BK > 64:
+        _put(_piece(ptr, base, K, V, i_v, 64, BKS, BV), p1)
+    if BK > 128:
+        _put(_piece(ptr, base, K, V, i_v, 128, BKS, BV), p2)
+        _put(_piece(ptr, base, K, V, i_v, 192, BKS, BV), p3)
+
+
+@triton.jit
+def _rows_times_pieces(ptr, b, h, i_n, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                       BK: tl.constexpr, BKS: tl.constexpr, p0, p1, p2, p3, DT: tl.constexpr,
+                       PREC: tl.constexpr):
+    """``X S`` as ``Σ_i X_i p_i``: ``X_i`` the ``[C, BKS]`` column piece ``i`` of chunk ``i_n``'s
+    ``[C, K]`` rows of head ``h`` in the ``[B, T, HEADS, K]`` tensor at ``ptr``. ``[C, BV]`` float32."""
+    acc = _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 0, BKS)), p0, DT, PREC)
+    if BK > 64:
+        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 64, BKS)), p1, DT, PREC)
+    if BK > 128:
+        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 128, BKS)), p2, DT, PREC)
+        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 192, BKS)), p3, DT, PREC)
+    return acc
+
+
+@triton.jit
+def _pieces_plus_cols(ptr, b, h, i_n, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                      BK: tl.constexpr, BKS: tl.constexpr, p0, p1, p2, p3, decay, rhs, DT: tl.constexpr,
+                      PREC: tl.constexpr):
+    """``decay · S + Xᵀ rhs`` piece by piece: ``p_i ← decay · p_i + X_iᵀ rhs``, ``X_iᵀ`` read
+    transposed (``[BKS, C]``) from the rows :func:`_rows_times_pieces` reads; ``rhs [C, BV]``."""
+    p0 = p0 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 0, BKS)), rhs, DT, PREC)
+    if BK > 64:
+        p1 = p1 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 64, BKS)), rhs, DT, PREC)
+    if BK > 128:
+        p2 = p2 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 128, BKS)), rhs, DT, PREC)
+        p3 = p3 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 192, BKS)), rhs, DT, PREC)
+    return p0, p1, p2, p3
 
 
 @triton.jit
@@ -66,51 +128,17 @@ def _state_fwd_split_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, 
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
-    s0 = tl.zeros([BKS, BV], dtype=tl.float32)
-    if HAS_H0:
-        s0 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 0, BKS, BV))
-    if BK > 64:
-        s1 = tl.zeros([BKS, BV], dtype=tl.float32)
-        if HAS_H0:
-            s1 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 64, BKS, BV))
-    if BK > 128:
-        s2 = tl.zeros([BKS, BV], dtype=tl.float32)
-        s3 = tl.zeros([BKS, BV], dtype=tl.float32)
-        if HAS_H0:
-            s2 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 128, BKS, BV))
-            s3 += _tile(_piece(h0_ptr, s_base, K, V, i_v, 192, BKS, BV))
+    s0, s1, s2, s3 = _pieces(h0_ptr, s_base, K, V, i_v, BK, BKS, BV, HAS_H0)
     for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
         h_base = (i_bh.to(tl.int64) * N + i_n) * K * V
         u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
-        _put(_piece(h_ptr, h_base, K, V, i_v, 0, BKS, BV), s0)
-        vn = u - _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BKS)), s0, DT, PREC)
-        if BK > 64:
-            _put(_piece(h_ptr, h_base, K, V, i_v, 64, BKS, BV), s1)
-            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 64, BKS)), s1, DT, PREC)
-        if BK > 128:
-            _put(_piece(h_ptr, h_base, K, V, i_v, 128, BKS, BV), s2)
-            _put(_piece(h_ptr, h_base, K, V, i_v, 192, BKS, BV), s3)
-            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 128, BKS)), s2, DT, PREC)
-            vn -= _dot(_tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 192, BKS)), s3, DT, PREC)
+        _put_pieces(h_ptr, h_base, K, V, i_v, BK, BKS, BV, s0, s1, s2, s3)
+        vn = u - _rows_times_pieces(w_ptr, b, h, i_n, T, H, K, C, BK, BKS, s0, s1, s2, s3, DT, PREC)
         _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True), vn)
         _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
-        vs = vn * gamma_out[:, None]
-        hk, Hk = h // G, H // G
-        s0 = s0 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), vs, DT, PREC)
-        if BK > 64:
-            s1 = s1 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), vs,
-                                         DT, PREC)
-        if BK > 128:
-            s2 = s2 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), vs,
-                                         DT, PREC)
-            s3 = s3 * gamma_chunk + _dot(_tile(_cols_block(k_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), vs,
-                                         DT, PREC)
-    _put(_piece(ht_ptr, s_base, K, V, i_v, 0, BKS, BV), s0)
-    if BK > 64:
-        _put(_piece(ht_ptr, s_base, K, V, i_v, 64, BKS, BV), s1)
-    if BK > 128:
-        _put(_piece(ht_ptr, s_base, K, V, i_v, 128, BKS, BV), s2)
-        _put(_piece(ht_ptr, s_base, K, V, i_v, 192, BKS, BV), s3)
+        s0, s1, s2, s3 = _pieces_plus_cols(k_ptr, b, h // G, i_n, T, H // G, K, C, BK, BKS, s0, s1, s2, s3,
+                                           gamma_chunk, vn * gamma_out[:, None], DT, PREC)
+    _put_pieces(ht_ptr, s_base, K, V, i_v, BK, BKS, BV, s0, s1, s2, s3)
 
 
 @triton.jit
@@ -127,19 +155,7 @@ def _state_bwd_split_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
-    d0 = tl.zeros([BKS, BV], dtype=tl.float32)
-    if HAS_DHT:
-        d0 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 0, BKS, BV))
-    if BK > 64:
-        d1 = tl.zeros([BKS, BV], dtype=tl.float32)
-        if HAS_DHT:
-            d1 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 64, BKS, BV))
-    if BK > 128:
-        d2 = tl.zeros([BKS, BV], dtype=tl.float32)
-        d3 = tl.zeros([BKS, BV], dtype=tl.float32)
-        if HAS_DHT:
-            d2 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 128, BKS, BV))
-            d3 += _tile(_piece(dht_ptr, s_base, K, V, i_v, 192, BKS, BV))
+    d0, d1, d2, d3 = _pieces(dht_ptr, s_base, K, V, i_v, BK, BKS, BV, HAS_DHT)
     hk, Hk = h // G, H // G
     for i in range(0, N_INTERP if N_INTERP > 0 else N):
         i_n = N - 1 - i
@@ -149,38 +165,16 @@ def _state_bwd_split_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr
         do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         do = do * (gamma_in * scale)[:, None]
         # dVn = local + (e ⊙ K) dS1
-        _put(_piece(dh_ptr, h_base, K, V, i_v, 0, BKS, BV), d0)
-        kd = _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), d0, DT, PREC)
-        if BK > 64:
-            _put(_piece(dh_ptr, h_base, K, V, i_v, 64, BKS, BV), d1)
-            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), d1, DT, PREC)
-        if BK > 128:
-            _put(_piece(dh_ptr, h_base, K, V, i_v, 128, BKS, BV), d2)
-            _put(_piece(dh_ptr, h_base, K, V, i_v, 192, BKS, BV), d3)
-            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), d2, DT, PREC)
-            kd += _dot(_tile(_rows_block(k_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), d3, DT, PREC)
+        _put_pieces(dh_ptr, h_base, K, V, i_v, BK, BKS, BV, d0, d1, d2, d3)
+        kd = _rows_times_pieces(k_ptr, b, hk, i_n, T, Hk, K, C, BK, BKS, d0, d1, d2, d3, DT, PREC)
         dvn = _tile(dv_block).to(tl.float32) + kd * gamma_out[:, None]
         _put(dv_block, dvn)
-        # dS0 = γ_C dS1 + (γ ⊙ Q)ᵀ dO − Wᵀ dVn, piece by piece
-        d0 = d0 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 0, BKS)), do, DT, PREC) \
-            - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BKS)), dvn, DT, PREC)
-        if BK > 64:
-            d1 = d1 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 64, BKS)), do, DT,
-                                         PREC) \
-                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 64, BKS)), dvn, DT, PREC)
-        if BK > 128:
-            d2 = d2 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 128, BKS)), do, DT,
-                                         PREC) \
-                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 128, BKS)), dvn, DT, PREC)
-            d3 = d3 * gamma_chunk + _dot(_tile(_cols_block(q_ptr, b, hk, i_n, T, Hk, K, C, 192, BKS)), do, DT,
-                                         PREC) \
-                - _dot(_tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 192, BKS)), dvn, DT, PREC)
-    _put(_piece(dh0_ptr, s_base, K, V, i_v, 0, BKS, BV), d0)
-    if BK > 64:
-        _put(_piece(dh0_ptr, s_base, K, V, i_v, 64, BKS, BV), d1)
-    if BK > 128:
-        _put(_piece(dh0_ptr, s_base, K, V, i_v, 128, BKS, BV), d2)
-        _put(_piece(dh0_ptr, s_base, K, V, i_v, 192, BKS, BV), d3)
+        # dS0 = γ_C dS1 + (γ ⊙ Q)ᵀ dO − Wᵀ dVn
+        d0, d1, d2, d3 = _pieces_plus_cols(q_ptr, b, hk, i_n, T, Hk, K, C, BK, BKS, d0, d1, d2, d3,
+                                           gamma_chunk, do, DT, PREC)
+        d0, d1, d2, d3 = _pieces_plus_cols(w_ptr, b, h, i_n, T, H, K, C, BK, BKS, d0, d1, d2, d3,
+                                           1.0, -dvn, DT, PREC)
+    _put_pieces(dh0_ptr, s_base, K, V, i_v, BK, BKS, BV, d0, d1, d2, d3)
 
 
 STATE_SPLIT_KEY = ["H", "G", "K", "V", "C", "PREC"]
