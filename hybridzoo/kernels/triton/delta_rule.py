@@ -36,7 +36,7 @@ import triton.language as tl
 from hybridzoo.kernels.reference.delta_rule import _check
 from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
-from hybridzoo.kernels.triton.delta_rule_split import SPLIT_FIXED, _state_fwd_split
+from hybridzoo.kernels.triton.delta_rule_split import _state_fwd_split, split_fixed
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
                                                         _cols_block, _dot, _load_rows, _put, _rows_block,
                                                         _state_block, _state_decays, _store_rows, _tile,
@@ -270,7 +270,7 @@ class _Config:
         consts = {k: v for k, v in self.consts().items() if k not in tuned}
         fixed = {k: v for k, v in self.consts().items() if k in tuned}
         if delta_rule_common.SPLIT_STATE:
-            whole, fixed = split, dict(SPLIT_FIXED)
+            whole, fixed = split, split_fixed(self.BK)
         return whole, (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
 
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:

@@ -188,9 +188,9 @@ def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.cons
 # float32 279 KB) and prune_state_configs leaves it out. Timed alone on an H200 (bf16, B2 T16384 H16
 # K=V=128, fwd+bwd): 9.6 ms with it, 10.3-10.7 ms with the one-stage settings.
 # The 32-wide candidate is pruned where value_tile_floor asks for 64 (16-bit inputs, K > 32).
-# SPLIT_STATE: run the state kernels of .delta_rule_split instead (the state as 64-row pieces, value
-# tiles 32 wide at any K); off until timed and tested on a GPU. HYBRIDZOO_SPLIT_STATE=1 turns it on.
-SPLIT_STATE = os.environ.get("HYBRIDZOO_SPLIT_STATE", "0") == "1"
+# SPLIT_STATE: run the state kernels of .delta_rule_split (the state as 64-row pieces, value tiles
+# 32 wide at any K), the default; HYBRIDZOO_SPLIT_STATE=0 runs the whole-state kernels below.
+SPLIT_STATE = os.environ.get("HYBRIDZOO_SPLIT_STATE", "1") != "0"
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
 STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]

@@ -191,6 +191,7 @@ def test_head_dim_256():
     check(make_inputs(B=1, T=24, Hk=1, H=2, K=256, V=256), chunk_size=16, tol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["split", "whole"])
 @pytest.mark.parametrize("K, V, dtype, tol", [
     (16, 24, torch.float32, 1e-5),      # one piece, narrower than 64
     (100, 40, torch.float32, 1e-5),     # two pieces, the second masked past K
@@ -198,14 +199,15 @@ def test_head_dim_256():
     (256, 70, torch.float32, 1e-5),     # four full pieces, three value blocks
     (128, 64, torch.bfloat16, 1e-2),    # 16-bit dots on the pieces
 ], ids=["K16", "K100", "K150", "K256", "K128-bf16"])
-def test_split_state_kernels_match_reference(K, V, dtype, tol, monkeypatch):
-    """The sequential state kernels with the state in 64-row pieces (delta_rule_split, on with
-    SPLIT_STATE) against the float64 reference: outputs, final state and every gradient, with an
-    initial state, grouped heads and a ragged length; their value blocks are 32 wide (SPLIT_FIXED)
-    where the chunk kernels' are 64. The split kernels are really the ones launched."""
+def test_state_kernels_match_reference(K, V, dtype, tol, form, monkeypatch):
+    """Both forms of the sequential state kernels against the float64 reference: outputs, final
+    state and every gradient, with an initial state, grouped heads and a ragged length. ``split``
+    (delta_rule_split, the default: SPLIT_STATE) holds the state in 64-row pieces, its value blocks
+    32 wide (SPLIT_FIXED) where the chunk kernels' are 64; ``whole`` (SPLIT_STATE off) holds it in
+    one tile. The form's kernels are really the ones launched."""
     from hybridzoo.kernels.triton import delta_rule_bwd, delta_rule_common, delta_rule_split
 
-    monkeypatch.setattr(delta_rule_common, "SPLIT_STATE", True)
+    monkeypatch.setattr(delta_rule_common, "SPLIT_STATE", form == "split")
     launched = []
 
     class Spy:
@@ -216,12 +218,34 @@ def test_split_state_kernels_match_reference(K, V, dtype, tol, monkeypatch):
             launched.append(self.name)
             return self.kernel[grid]
 
-    for module, name in ((triton_delta_rule, "_state_fwd_split"), (delta_rule_bwd, "_state_bwd_split")):
+    fwd, bwd = ("_state_fwd_split", "_state_bwd_split") if form == "split" else ("_state_fwd", "_state_bwd")
+    for module, name in ((triton_delta_rule, fwd), (delta_rule_bwd, bwd)):
         monkeypatch.setattr(module, name, Spy(getattr(module, name), name))
     assert delta_rule_split.SPLIT_FIXED["BV"] == 32
     check(make_inputs(B=1, T=41, Hk=1, H=2, K=K, V=V, dtype=dtype, seed=K), chunk_size=16, tol=tol,
           grad_tol=tol)
-    assert launched == ["_state_fwd_split", "_state_fwd_split", "_state_bwd_split"]
+    assert launched == [fwd, fwd, bwd]
+
+
+def test_split_state_is_the_default_and_its_fixed_launch():
+    """With HYBRIDZOO_SPLIT_STATE unset the split kernels run (=0 the whole-state ones), and their
+    launch with autotuning off takes two stages only up to 128-wide keys (the shared-memory limit
+    of prune_split_configs)."""
+    import os
+    import subprocess
+    import sys
+
+    from hybridzoo.kernels.triton import delta_rule_split
+
+    code = "from hybridzoo.kernels.triton import delta_rule_common as c; print(c.SPLIT_STATE)"
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDZOO_SPLIT_STATE"}
+    for value, expected in ((None, "True"), ("0", "False"), ("1", "True")):
+        run_env = env if value is None else {**env, "HYBRIDZOO_SPLIT_STATE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)
+    assert [delta_rule_split.split_fixed(bk)["num_stages"] for bk in (32, 64, 128, 256)] == [2, 2, 2, 1]
+    assert all(delta_rule_split.split_fixed(bk)["BV"] == 32 and delta_rule_split.split_fixed(bk)["num_warps"] == 4
+               for bk in (32, 256))
 
 
 def check_inverse_reuse(inputs, chunk_size, tol, monkeypatch):
@@ -353,14 +377,15 @@ def test_gpu_long_sequence(dtype, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_every_state_setting(head_dim, monkeypatch):
-    """Each launch setting the autotuner may pick for the two sequential state kernels
-    (STATE_CONFIGS as prune_state_configs leaves them for bf16, forward and backward held to the
+    """Each launch setting the autotuner may pick for the two whole-state sequential kernels
+    (SPLIT_STATE off; STATE_CONFIGS as prune_state_configs leaves them for bf16, forward and backward held to the
     i-th together), bf16, NaN-poisoned outputs,
     at a length no chunk divides: outputs and gradients vs the float64 reference (<= 1e-2).
     A setting that faults here would kill an autotuning run."""
-    from hybridzoo.kernels.triton import delta_rule_bwd
+    from hybridzoo.kernels.triton import delta_rule_bwd, delta_rule_common
     from tests.kernels.triton.tuning import tuning_rounds
 
+    monkeypatch.setattr(delta_rule_common, "SPLIT_STATE", False)
     x = torch.empty(1, dtype=torch.bfloat16)
     configs = triton_delta_rule.prune_state_configs(triton_delta_rule.STATE_CONFIGS, {"k_ptr": x}, K=head_dim)
     configs_of = {triton_delta_rule._state_fwd: configs, delta_rule_bwd._state_bwd: configs}
