@@ -22,8 +22,9 @@ hybridzoo variants get its weights (:func:`benchmarks.mqar_reference.hybridzoo_t
 its gradients are compared under hybridzoo's names. So both implementations' paths are measured
 against one float64 gradient, at the weights of a reference run.
 
-For each variant: the loss, the gradient norm, and the relative error of the whole gradient and
-of its worst parameter against ``ref-fp64``. The weights at the ``--save-states`` steps go to
+For each variant: the loss, the gradient norm, and the relative error of the whole gradient, of
+its worst parameters (relative to the whole gradient's norm) and of every parameter (relative to
+its own gradient's norm: ``param_rel_err``) against ``ref-fp64``. The weights at the ``--save-states`` steps go to
 ``states.pt``.
 
     python scripts/mqar_grad_check.py --recipe mqar-gdn-l --lr 1e-2 --seed 0 --steps 600 \\
@@ -105,7 +106,11 @@ def gradients(model, config, ids, labels, device: str, like: dict | None = None)
         total = math.sqrt(sum(float((spec[n] ** 2).sum()) for n in spec))
         # each parameter's error, relative to the whole gradient's norm: where the error is
         per_param = sorted(((float((g[n] - spec[n]).norm()) / max(total, 1e-30), n) for n in spec), reverse=True)
+        # and each parameter's error relative to its own gradient: small parameters (decays, step
+        # sizes, skips) whose gradient is off by a large fraction hide under the whole norm
+        own = {n: float((g[n] - spec[n]).norm()) / max(float(spec[n].norm()), 1e-30) for n in spec}
         results[name].update(grad_rel_err=diff / max(total, 1e-30),
+                             param_rel_err={n: float(f"{e:.3g}") for n, e in own.items()},
                              largest_errors={n: round(e, 6) for e, n in per_param[:5]},
                              largest_true_grads={n: round(float(spec[n].norm()) / max(total, 1e-30), 6)
                                                  for _, n in per_param[:5]})

@@ -493,6 +493,11 @@ def test_grad_check_script_compares_every_path_with_float64(tmp_path):
         for name in ("auto-bf16", "ref-bf16"):
             assert 1e-4 < variants[name]["grad_rel_err"] < 0.5
         assert abs(variants["auto-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
+        # every parameter's error relative to its own gradient: all of them, small in fp32, and in
+        # bf16 at least one well above fp32's
+        own32, own16 = variants["auto-fp32"]["param_rel_err"], variants["auto-bf16"]["param_rel_err"]
+        assert set(own32) == set(own16) and {"blocks.0.mixer.A_log", "embed.weight"} <= set(own32)
+        assert max(own32.values()) < 1e-3 and max(own16.values()) > 1e-3
     assert list(torch.load(tmp_path / "states.pt")) == [2]
     assert any("accuracy" in e for e in result["log"])
 
