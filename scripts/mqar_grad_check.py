@@ -24,8 +24,8 @@ against one float64 gradient, at the weights of a reference run.
 
 For each variant: the loss, the gradient norm, and the relative error of the whole gradient, of
 its worst parameters (relative to the whole gradient's norm) and of every parameter (relative to
-its own gradient's norm: ``param_rel_err``) against ``ref-fp64``. The weights at the ``--save-states`` steps go to
-``states.pt``.
+its own gradient's norm: ``param_rel_err``) against ``ref-fp64``. The weights at the
+``--save-states`` steps go to ``states.pt``.
 
     python scripts/mqar_grad_check.py --recipe mqar-gdn-l --lr 1e-2 --seed 0 --steps 600 \\
         --check 0,50,100,200,400,600 --out /tmp/gdn-check
@@ -102,13 +102,14 @@ def gradients(model, config, ids, labels, device: str, like: dict | None = None)
     for name, g in grads.items():
         if spec is None or name == "ref-fp64":
             continue
-        diff = math.sqrt(sum(float(((g[n] - spec[n]) ** 2).sum()) for n in spec))
+        errors = {n: float((g[n] - spec[n]).norm()) for n in spec}
+        diff = math.sqrt(sum(e * e for e in errors.values()))
         total = math.sqrt(sum(float((spec[n] ** 2).sum()) for n in spec))
         # each parameter's error, relative to the whole gradient's norm: where the error is
-        per_param = sorted(((float((g[n] - spec[n]).norm()) / max(total, 1e-30), n) for n in spec), reverse=True)
-        # and each parameter's error relative to its own gradient: small parameters (decays, step
-        # sizes, skips) whose gradient is off by a large fraction hide under the whole norm
-        own = {n: float((g[n] - spec[n]).norm()) / max(float(spec[n].norm()), 1e-30) for n in spec}
+        per_param = sorted(((e / max(total, 1e-30), n) for n, e in errors.items()), reverse=True)
+        # and relative to its own gradient: small parameters (decays, step sizes, skips) whose
+        # gradient is off by a large fraction hide under the whole norm
+        own = {n: e / max(float(spec[n].norm()), 1e-30) for n, e in errors.items()}
         results[name].update(grad_rel_err=diff / max(total, 1e-30),
                              param_rel_err={n: float(f"{e:.3g}") for n, e in own.items()},
                              largest_errors={n: round(e, 6) for e, n in per_param[:5]},

@@ -571,3 +571,31 @@ def test_reference_weights_map_to_hybridzoo_names():
             assert torch.equal(mapped[name], value), (recipe, name)
     with pytest.raises(KeyError, match="no hybridzoo counterpart"):
         hybridzoo_tensors("gdn", {"blocks.0.mixer.layer.extra.weight": torch.zeros(1)}, ours)
+
+
+def test_cpu_mamba_wrapper_launches_each_tuned_kernel_at_its_first_candidate(monkeypatch):
+    """``scripts/mqar_grad_check_cpu_mamba.py``'s stand-in for ``triton.autotune``: the kernel runs
+    with the first candidate's settings (a later one would give another result here), after that
+    candidate's ``pre_hook``, and the tuner's attributes mamba_ssm reads are there."""
+    import runpy
+
+    import triton
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the script sets it; restored after the test
+    wrapper = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "mqar_grad_check_cpu_mamba.py"),
+                             run_name="not_main")
+    hooked = []
+
+    @triton.jit
+    def fill(out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, 8)
+        tl.store(out_ptr + offs, tl.full([8], BLOCK, tl.int32))
+
+    configs = [triton.Config({"BLOCK": 2}, pre_hook=lambda nargs: hooked.append(nargs["out_ptr"].shape)),
+               triton.Config({"BLOCK": 4})]
+    tuned = wrapper["_FirstConfig"](fill, configs)
+    out = torch.zeros(8, dtype=torch.int32)
+    tuned[(1,)](out)
+    assert out.tolist() == [2] * 8 and hooked == [(8,)]
+    assert tuned.best_config is configs[0] and tuned.configs is configs

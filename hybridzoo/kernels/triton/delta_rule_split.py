@@ -41,18 +41,24 @@ SPLIT_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
 SPLIT_FIXED = {"BV": 32, "num_warps": 4, "num_stages": 1}
 
 
+def two_stages_fit(bk: int) -> bool:
+    """Whether the split kernels may pipeline two stages with ``bk``-wide key tiles: up to 128
+    (at K = 256 in float32 the backward's two-stage candidates need 225 KB and 261 KB of shared
+    memory on sm_90, against an H200's 227 KB)."""
+    return bk <= 128
+
+
 def split_fixed(bk: int) -> dict:
     """The split kernels' launch settings with autotuning off, for ``bk``-wide key tiles:
-    :data:`SPLIT_FIXED`, with two pipelining stages when ``bk <= 128`` (:func:`prune_split_configs`)."""
-    return dict(SPLIT_FIXED, num_stages=2 if bk <= 128 else 1)
+    :data:`SPLIT_FIXED`, with two pipelining stages where :func:`two_stages_fit`."""
+    return dict(SPLIT_FIXED, num_stages=2 if two_stages_fit(bk) else 1)
 
 
 def prune_split_configs(configs: list, named_args: dict, **kwargs) -> list:
-    """The autotuner's ``early_config_prune`` for the split kernels: two pipelining stages only up
-    to 128-wide keys (at K = 256 in float32 the backward's two-stage candidates need 225 KB and
-    261 KB of shared memory on sm_90, against an H200's 227 KB)."""
+    """The autotuner's ``early_config_prune`` for the split kernels: two pipelining stages only
+    where :func:`two_stages_fit`."""
     bk = max(32, triton.next_power_of_2({**named_args, **kwargs}["K"]))
-    return [c for c in configs if c.num_stages == 1 or bk <= 128]
+    return [c for c in configs if c.num_stages == 1 or two_stages_fit(bk)]
 
 
 @triton.jit
