@@ -14,6 +14,14 @@ field get ``+<variant>``. Variants (each changes only hybridzoo's ``Mamba2`` mix
 ``round-y``
     ``y + D x`` rounded to the activation dtype before the gated norm, as mamba_ssm's fused
     path does (hybridzoo keeps it in float32).
+``fwd-theirs``, ``bwd-theirs``, ``bwd-theirs-decay``, ``bwd-theirs-xbc``
+    The SSD part (from the conv's output and the raw ``dt`` to ``y + D x``) as one autograd
+    Function whose forward is one implementation's and whose backward takes each input's
+    gradient from one of the two, both evaluated at the same inputs and output gradient:
+    ``fwd-theirs`` is mamba_ssm's forward (its output in the activation dtype) with every
+    gradient hybridzoo's; ``bwd-theirs`` is hybridzoo's forward with every gradient mamba_ssm's;
+    ``-decay`` takes only ``dt``, ``dt_bias`` and ``A_log``'s gradients from mamba_ssm, ``-xbc``
+    only those of ``x``, ``B``, ``C`` and ``D``.
 """
 
 from __future__ import annotations
@@ -24,7 +32,81 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("ssd-kernel", "round-y")
+VARIANTS = ("ssd-kernel", "round-y", "fwd-theirs", "bwd-theirs", "bwd-theirs-decay", "bwd-theirs-xbc")
+# per split variant: (forward from mamba_ssm?, the inputs whose gradient comes from mamba_ssm)
+_SSD_INPUTS = ("xs", "dt", "dt_bias", "A_log", "D", "B", "C")
+_SPLITS = {"fwd-theirs": (True, ()), "bwd-theirs": (False, _SSD_INPUTS),
+           "bwd-theirs-decay": (False, ("dt", "dt_bias", "A_log")),
+           "bwd-theirs-xbc": (False, ("xs", "D", "B", "C"))}
+
+
+def _ssd_ours(self, xs, dt, dt_bias, A_log, D, B, C):
+    """hybridzoo's SSD part of ``Mamba2._body``: ``y + D x`` [B, T, H, P] float32."""
+    import torch
+    import torch.nn.functional as F
+
+    d = F.softplus(dt.float() + dt_bias.float())
+    log_a = d * -torch.exp(A_log.float())
+    v = (xs.float() * d[..., None]).to(xs.dtype)
+    y, _ = self._scan(C, B, v, log_a, None)
+    return y + D.float()[:, None] * xs.float()
+
+
+def _ssd_theirs(self, xs, dt, dt_bias, A_log, D, B, C):
+    """mamba_ssm's ``mamba_chunk_scan_combined``: ``y + D x`` [B, T, H, P] in xs.dtype."""
+    import torch
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return mamba_chunk_scan_combined(xs, dt, -torch.exp(A_log.float()), B, C, chunk_size=self.config.chunk_size,
+                                     D=D, dt_bias=dt_bias, dt_softplus=True)
+
+
+def _split_function():
+    import torch
+
+    class Split(torch.autograd.Function):
+        """One implementation's forward, each input's gradient from the implementation chosen."""
+
+        @staticmethod
+        def forward(ctx, layer, variant, *inputs):
+            theirs_fwd, ctx.theirs_grads = _SPLITS[variant]
+            ctx.layer, ctx.device_type = layer, inputs[0].device.type
+            ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
+            ctx.save_for_backward(*inputs)
+            return (_ssd_theirs if theirs_fwd else _ssd_ours)(layer, *inputs)
+
+        @staticmethod
+        def backward(ctx, dy):
+            inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+            grads = {}
+            with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                for name, fn in (("ours", _ssd_ours), ("theirs", _ssd_theirs)):
+                    y = fn(ctx.layer, *inputs)
+                    grads[name] = torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True)
+            picked = tuple(grads["theirs" if n in ctx.theirs_grads else "ours"][i] for i, n in enumerate(_SSD_INPUTS))
+            return (None, None, *picked)
+
+    return Split
+
+
+def _split_body(variant):
+    split = _split_function()
+
+    def body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep=None):
+        """``Mamba2._body`` with its SSD part as the ``Split`` Function of ``variant``."""
+        if recurrent is not None:
+            raise ValueError(f"{variant} variant: training from an empty state only")
+        batch, length, _ = zxbcdt.shape
+        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
+        xBC, conv_tail = conv(xBC, conv_tail)
+        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
+        y = split.apply(self, variant, xs.unflatten(-1, (H, P)), dt, dt_bias, A_log, D,
+                        B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)))
+        y = norm(y.reshape(batch, length, self.d_inner), z)
+        return out(y), conv_tail, None
+
+    return body
 
 
 def _ssd_kernel_body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep=None):
@@ -60,6 +142,9 @@ def apply(variant: str) -> None:
             rounded = lambda y, z: norm(y.to(zxbcdt.dtype), z)  # noqa: E731
             return original(self, zxbcdt, conv, rounded, out, *rest, **kw)
         mamba2.Mamba2._body = body
+    elif variant in _SPLITS:
+        mamba2.Mamba2._body = _split_body(variant)
+        mamba2.Mamba2.mix = mamba2.Mamba2._mix_modules
     else:
         raise SystemExit(f"mqar_mamba2_variant: unknown variant {variant!r}; choose from {VARIANTS}")
 
