@@ -22,6 +22,11 @@ field get ``+<variant>``. Variants (each changes only hybridzoo's ``Mamba2`` mix
     gradient hybridzoo's; ``bwd-theirs`` is hybridzoo's forward with every gradient mamba_ssm's;
     ``-decay`` takes only ``dt``, ``dt_bias`` and ``A_log``'s gradients from mamba_ssm, ``-xbc``
     only those of ``x``, ``B``, ``C`` and ``D``.
+``bwd-mirror``, ``bwd-noise``
+    hybridzoo's forward; each input's gradient is hybridzoo's minus mamba_ssm's deviation from it
+    (``2 g_ours − g_theirs``: the same error, mirrored), or hybridzoo's plus Gaussian noise of the
+    same norm as that deviation (per input tensor). Whether an error helps by its size or by its
+    direction.
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("ssd-kernel", "round-y", "fwd-theirs", "bwd-theirs", "bwd-theirs-decay", "bwd-theirs-xbc")
+VARIANTS = ("ssd-kernel", "round-y", "fwd-theirs", "bwd-theirs", "bwd-theirs-decay", "bwd-theirs-xbc",
+            "bwd-mirror", "bwd-noise")
 # per split variant: (forward from mamba_ssm?, the inputs whose gradient comes from mamba_ssm)
 _SSD_INPUTS = ("xs", "dt", "dt_bias", "A_log", "D", "B", "C")
 _SPLITS = {"fwd-theirs": (True, ()), "bwd-theirs": (False, _SSD_INPUTS),
            "bwd-theirs-decay": (False, ("dt", "dt_bias", "A_log")),
-           "bwd-theirs-xbc": (False, ("xs", "D", "B", "C"))}
+           "bwd-theirs-xbc": (False, ("xs", "D", "B", "C")),
+           "bwd-mirror": (False, ()), "bwd-noise": (False, ())}
 
 
 def _ssd_ours(self, xs, dt, dt_bias, A_log, D, B, C):
@@ -61,6 +68,19 @@ def _ssd_theirs(self, xs, dt, dt_bias, A_log, D, B, C):
                                      D=D, dt_bias=dt_bias, dt_softplus=True)
 
 
+def _deviated(ours, theirs, variant):
+    """``2 ours - theirs`` (bwd-mirror) or ``ours`` + noise of norm ``|theirs - ours|`` (bwd-noise)."""
+    import torch
+
+    if ours is None:
+        return None
+    deviation = theirs.float() - ours.float()
+    if variant == "bwd-mirror":
+        return (ours.float() - deviation).to(ours.dtype)
+    noise = torch.randn_like(deviation)
+    return (ours.float() + noise * (deviation.norm() / noise.norm().clamp_min(1e-30))).to(ours.dtype)
+
+
 def _split_function():
     import torch
 
@@ -70,6 +90,7 @@ def _split_function():
         @staticmethod
         def forward(ctx, layer, variant, *inputs):
             theirs_fwd, ctx.theirs_grads = _SPLITS[variant]
+            ctx.variant = variant
             ctx.layer, ctx.device_type = layer, inputs[0].device.type
             ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
             ctx.save_for_backward(*inputs)
@@ -84,6 +105,8 @@ def _split_function():
                     y = fn(ctx.layer, *inputs)
                     grads[name] = torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True)
             picked = tuple(grads["theirs" if n in ctx.theirs_grads else "ours"][i] for i, n in enumerate(_SSD_INPUTS))
+            if ctx.variant in ("bwd-mirror", "bwd-noise"):
+                picked = tuple(_deviated(o, t, ctx.variant) for o, t in zip(grads["ours"], grads["theirs"]))
             return (None, None, *picked)
 
     return Split
