@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ from benchmarks.mqar_reference import KINDS, REFERENCE_NAMES
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (setting, recipe, impl): the best learning rate by median accuracy over the
-    seeds, its median, min and max, and the seeds counted. Runs stopped by the time limit
-    (``--run-seconds``) are left out."""
+    seeds, its median, min and max, the seeds counted and how many of them diverged (ended on a
+    non-finite held-out loss; such a run stops there and keeps its best accuracy). Runs stopped
+    by the time limit (``--run-seconds``) are left out."""
     groups: dict[tuple, dict[float, list[dict]]] = {}
     for row in rows:
         if row.get("status") == "ok" and not row.get("stopped"):  # a run cut by --run-seconds is not counted
@@ -33,6 +35,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         median_accuracy=medians[lr], min_accuracy=min(r["accuracy"] for r in rs),
                         max_accuracy=max(r["accuracy"] for r in rs), seeds=sorted(r["seed"] for r in rs),
                         median_steps=statistics.median(r["steps"] for r in rs),
+                        diverged=sum(1 for r in rs if not math.isfinite(r.get("val_loss", 0.0))),
                         medians_by_lr={f"{k:g}": v for k, v in sorted(medians.items())},
                         seeds_by_lr={f"{k:g}": len(by_lr[k]) for k in sorted(by_lr)}))
     order = {k: i for i, k in enumerate(KINDS)}
@@ -64,6 +67,7 @@ def results_table(results: dict[str, Any]) -> str:
             cell = {s["impl"]: s for s in rows if s["recipe"] == recipe}
             hz, ref = cell.get("hybridzoo"), cell.get("reference")
             fmt = lambda s: (f"{s['median_accuracy']:.3f} ({s['min_accuracy']:.3f}-{s['max_accuracy']:.3f})"  # noqa: E731
+                             + (f", {s['diverged']} of {len(s['seeds'])} diverged" if s.get("diverged") else "")
                              if s else "-")
             any_row = hz or ref
             lines.append(f"| {recipe} | {any_row['state_size']:,} | {fmt(hz)} | {hz['best_lr'] if hz else '-'} | "

@@ -48,15 +48,18 @@ _SPLITS = {"fwd-theirs": (True, ()), "bwd-theirs": (False, _SSD_INPUTS),
 
 
 def _ssd_ours(self, xs, dt, dt_bias, A_log, D, B, C):
-    """hybridzoo's SSD part of ``Mamba2._body``: ``y + D x`` [B, T, H, P] float32."""
+    """hybridzoo's SSD part of ``Mamba2._body``: ``y + D x`` [B, T, H, P] float32 (float64 for float64)."""
     import torch
     import torch.nn.functional as F
 
-    d = F.softplus(dt.float() + dt_bias.float())
-    log_a = d * -torch.exp(A_log.float())
-    v = (xs.float() * d[..., None]).to(xs.dtype)
+    from hybridzoo.layers.state import state_dtype
+
+    compute = state_dtype(xs.dtype)
+    d = F.softplus(dt.to(compute) + dt_bias.to(compute))
+    log_a = d * -torch.exp(A_log.to(compute))
+    v = (xs.to(compute) * d[..., None]).to(xs.dtype)
     y, _ = self._scan(C, B, v, log_a, None)
-    return y + D.float()[:, None] * xs.float()
+    return y + D.to(compute)[:, None] * xs.to(compute)
 
 
 def _ssd_theirs(self, xs, dt, dt_bias, A_log, D, B, C):
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return [j for j in jobs if not Path(j["path"]).is_file()], skipped
 
     mqar.plan = tagged
-    return mqar.main(argv[split + 1:])
+    note = f"hybridzoo's runs by scripts/mqar_mamba2_variant.py --variant {args.variant} (the command below is its tail)"
+    return mqar.main(argv[split + 1:] + ["--note", note])
 
 
 if __name__ == "__main__":

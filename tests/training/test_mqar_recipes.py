@@ -203,6 +203,23 @@ def test_a_learning_rate_with_fewer_finished_seeds_does_not_win():
     assert row["seeds_by_lr"] == {"0.003": 3, "0.01": 1} and row["medians_by_lr"]["0.01"] == 0.99
 
 
+def test_diverged_runs_are_counted_and_shown():
+    """A run that ended on a non-finite held-out loss keeps its best accuracy; the summary and
+    the table say how many of the seeds diverged."""
+    base = dict(setting="gpu", recipe="mqar-mamba1-s", kind="mamba1", size="s", impl="hybridzoo", state_size=1024,
+                parameters=1, status="ok", steps=500, lr=3e-3)
+    rows = [dict(base, seed=0, accuracy=0.01, val_loss=float("nan")), dict(base, seed=1, accuracy=0.02, val_loss=7.5),
+            dict(base, seed=2, accuracy=0.03, val_loss=float("inf"))]
+    (row,) = bench.summarize(rows)
+    assert row["diverged"] == 2 and row["median_accuracy"] == pytest.approx(0.02)
+    results = {"settings": {"gpu": {**bench.SETTINGS["gpu"], "lrs": [3e-3], "seeds": [0, 1, 2]}}, "runs": rows,
+               "summary": [row]}
+    line = next(x for x in bench.results_table(results).splitlines() if x.startswith("| mqar-mamba1-s |"))
+    assert "0.020 (0.010-0.030), 2 of 3 diverged" in line
+    assert "diverged" not in next(x for x in bench.results_table(fake_results()).splitlines()
+                                  if x.startswith("| mqar-gdn-l |"))
+
+
 def test_results_table_on_fake_results():
     table = bench.results_table(fake_results())
     lines = table.splitlines()

@@ -1,0 +1,79 @@
+"""``scripts/mqar_mamba2_variant.py``: the Mamba-2 bisection's variants change what they say and
+nothing else. mamba_ssm is not needed: its SSD is replaced by a stand-in whose output (and so
+every gradient) is twice hybridzoo's, which makes each gradient's source visible."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridzoo.layers import mamba2
+from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mqar_mamba2_variant.py"
+
+
+@pytest.fixture
+def variant(monkeypatch):
+    spec = importlib.util.spec_from_file_location("mqar_mamba2_variant", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "_ssd_theirs", lambda layer, *a: 2 * module._ssd_ours(layer, *a))
+    monkeypatch.setattr(mamba2.Mamba2, "_body", mamba2.Mamba2._body)  # restored after the test
+    monkeypatch.setattr(mamba2.Mamba2, "mix", mamba2.Mamba2.mix)
+    return module
+
+
+def _grads(layer, x):
+    layer.zero_grad()
+    y, _ = layer(x)
+    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _layer():
+    torch.manual_seed(0)
+    layer = Mamba2(32, Mamba2Config(d_state=8, head_dim=16, chunk_size=16), backend="reference").double()
+    return layer, torch.randn(2, 24, 32, dtype=torch.float64)
+
+
+def test_split_variants_take_each_gradient_from_the_implementation_named(variant):
+    layer, x = _layer()
+    y0, g0 = _grads(layer, x)
+    after = ("norm.weight", "out_proj.weight", "in_proj.weight")  # not (only) through the SSD part
+    expected = {
+        "fwd-theirs": (2.0, {}),  # forward twice as large, gradients hybridzoo's
+        "bwd-theirs-decay": (1.0, {"dt_bias": 2.0, "A_log": 2.0}),
+        "bwd-theirs-xbc": (1.0, {"D": 2.0, "conv1d.weight": 2.0, "conv1d.bias": 2.0}),
+        "bwd-theirs": (1.0, {n: 2.0 for n in g0 if n not in after}),
+        "bwd-mirror": (1.0, {n: 0.0 for n in g0 if n not in after}),  # 2 g - (2 g)
+    }
+    for name, (out_scale, grad_scale) in expected.items():
+        mamba2.Mamba2._body, mamba2.Mamba2.mix = Mamba2._body, Mamba2.mix
+        variant.apply(name)
+        y, g = _grads(layer, x)
+        if out_scale == 1.0:
+            torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+        else:  # the forward's output is only the gated norm's input: it must differ
+            assert not torch.allclose(y, y0)
+        for n, grad in g.items():
+            if n in grad_scale:
+                torch.testing.assert_close(grad, grad_scale[n] * g0[n], rtol=1e-10, atol=1e-12, msg=f"{name} {n}")
+            elif n != "in_proj.weight" and name != "fwd-theirs":  # in_proj: z's gradient and the SSD's
+                torch.testing.assert_close(grad, g0[n], rtol=1e-10, atol=1e-12, msg=f"{name} {n}")
+
+
+def test_round_y_runs_are_tagged_and_leave_the_unchanged_run_alone(variant, tmp_path):
+    args = ["--setting", "cpu-smoke", "--kinds", "mamba2", "--sizes", "s", "--impls", "hybridzoo", "--lrs", "0.01",
+            "--seeds", "0", "--device", "cpu", "--out-dir", str(tmp_path), "--name", "v"]
+    assert variant.main(["--variant", "round-y", "--", *args]) == 0
+    (path,) = (tmp_path / "v-runs").glob("*.json")
+    row = json.loads(path.read_text())
+    assert row["id"] == "cpu-smoke-mqar-mamba2-s+round-y-hybridzoo-lr0.01-s0" and row["variant"] == "+round-y"
+    assert row["status"] == "ok", row.get("error")
+    results = json.loads((tmp_path / "v.json").read_text())
+    assert any("--variant round-y" in note for note in results["notes"])
+    with pytest.raises(SystemExit, match="unknown variant"):
+        variant.apply("no-such-variant")
