@@ -58,20 +58,27 @@ def main() -> int:
     parser.add_argument("--no-anchor", dest="anchor", action="store_false")
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args()
-    blocks = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    blocks: list[str] = []
+
+    def add(block: str) -> None:
+        """Print the block and rewrite ``--out`` with every block so far: a run cut short (a
+        time limit, a fault in a later case) keeps the tables it had."""
+        blocks.append(block)
+        print(block, flush=True)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text("\n\n".join(blocks) + "\n")
+
+    add(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, shape, build in selected_cases(args.only):
         try:
             ours, anchor, grads, inputs, _ = build()
-            blocks.append(render(f"{name} {shape} -- ours", kernel_times(ours, grads, inputs, args.iters)))
+            add(render(f"{name} {shape} -- ours", kernel_times(ours, grads, inputs, args.iters)))
             if args.anchor:
-                blocks.append(render(f"{name} {shape} -- anchor", kernel_times(anchor, grads, inputs, args.iters)))
+                add(render(f"{name} {shape} -- anchor", kernel_times(anchor, grads, inputs, args.iters)))
         except Exception as error:  # one case failing must not hide the others
-            blocks.append(f"{name} {shape}: {type(error).__name__}: {error}"[:400])
-        print(blocks[-1], flush=True)
+            add(f"{name} {shape}: {type(error).__name__}: {error}"[:400])
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n\n".join(blocks) + "\n")
     return 0
 
 
