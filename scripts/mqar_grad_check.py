@@ -24,7 +24,9 @@ against one float64 gradient, at the weights of a reference run.
 
 For each variant: the loss, the gradient norm, and the relative error of the whole gradient, of
 its worst parameters (relative to the whole gradient's norm) and of every parameter (relative to
-its own gradient's norm: ``param_rel_err``) against ``ref-fp64``. The weights at the
+its own gradient's norm: ``param_rel_err``) against ``ref-fp64``, and each parameter's error
+along its true gradient, ``<g - g64, g64> / |g64|^2`` (``param_bias``: 0 for an error that only
+scatters, > 0 for a gradient too long, < 0 too short). The weights at the
 ``--save-states`` steps go to ``states.pt``.
 
     python scripts/mqar_grad_check.py --recipe mqar-gdn-l --lr 1e-2 --seed 0 --steps 600 \\
@@ -110,8 +112,11 @@ def gradients(model, config, ids, labels, device: str, like: dict | None = None)
         # and relative to its own gradient: small parameters (decays, step sizes, skips) whose
         # gradient is off by a large fraction hide under the whole norm
         own = {n: e / max(float(spec[n].norm()), 1e-30) for n, e in errors.items()}
+        # and along the true gradient: a bias in the step's direction, which noise averages away
+        bias = {n: float(((g[n] - spec[n]) * spec[n]).sum()) / max(float((spec[n] ** 2).sum()), 1e-300) for n in spec}
         results[name].update(grad_rel_err=diff / max(total, 1e-30),
                              param_rel_err={n: float(f"{e:.3g}") for n, e in own.items()},
+                             param_bias={n: float(f"{b:.3g}") for n, b in bias.items()},
                              largest_errors={n: round(e, 6) for e, n in per_param[:5]},
                              largest_true_grads={n: round(float(spec[n].norm()) / max(total, 1e-30), 6)
                                                  for _, n in per_param[:5]})

@@ -515,6 +515,12 @@ def test_grad_check_script_compares_every_path_with_float64(tmp_path):
         own32, own16 = variants["auto-fp32"]["param_rel_err"], variants["auto-bf16"]["param_rel_err"]
         assert set(own32) == set(own16) and {"blocks.0.mixer.A_log", "embed.weight"} <= set(own32)
         assert max(own32.values()) < 1e-3 and max(own16.values()) > 1e-3
+        # the error along the true gradient: never more than the whole error (Cauchy-Schwarz),
+        # and not zero everywhere in bf16
+        for variant in ("auto-fp32", "auto-bf16"):
+            bias, own = variants[variant]["param_bias"], variants[variant]["param_rel_err"]
+            assert set(bias) == set(own) and all(abs(bias[n]) <= own[n] * 1.01 + 1e-12 for n in own)
+        assert max(abs(b) for b in variants["auto-bf16"]["param_bias"].values()) > 1e-5
     assert list(torch.load(tmp_path / "states.pt")) == [2]
     assert any("accuracy" in e for e in result["log"])
 
