@@ -25,8 +25,9 @@ field get ``+<variant>``. Variants (each changes only hybridzoo's ``Mamba2`` mix
 ``bwd-mirror``, ``bwd-noise``
     hybridzoo's forward; each input's gradient is hybridzoo's minus mamba_ssm's deviation from it
     (``2 g_ours − g_theirs``: the same error, mirrored), or hybridzoo's plus Gaussian noise of the
-    same norm as that deviation (per input tensor). Whether an error helps by its size or by its
-    direction.
+    same norm as that deviation (per input tensor; drawn from a hash of the element, the input and
+    a step counter, which CUDA graph replays of runs on several streams allow). Whether an error
+    helps by its size or by its direction.
 """
 
 from __future__ import annotations
@@ -71,16 +72,48 @@ def _ssd_theirs(self, xs, dt, dt_bias, A_log, D, B, C):
                                      D=D, dt_bias=dt_bias, dt_softplus=True)
 
 
-def _deviated(ours, theirs, variant):
-    """``2 ours - theirs`` (bwd-mirror) or ``ours`` + noise of norm ``|theirs - ours|`` (bwd-noise)."""
+def _signed(c: int) -> int:
+    """A 64-bit constant as torch's int64 holds it."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _hashed_normal(shape, counter, salt: int, device):
+    """Standard normal draws from a hash of each element's index, ``salt`` and the step
+    ``counter`` (an int64 tensor): tensor arithmetic only, so a captured CUDA graph replays it
+    with the counter's current value, where the generator's draws clash with captures on other
+    streams of the process. Two splitmix64-style mixes give two uniforms, Box-Muller a normal."""
     import torch
 
+    n = 1
+    for d in shape:
+        n *= d
+    index = torch.arange(n, device=device, dtype=torch.int64)
+
+    def shr(x, k):  # a logical shift (torch's >> on int64 keeps the sign)
+        return (x >> k) & ((1 << (64 - k)) - 1)
+
+    def mix(x):
+        x = x + _signed(0x9E3779B97F4A7C15)
+        x = (x ^ shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+        x = (x ^ shr(x, 27)) * _signed(0x94D049BB133111EB)
+        return x ^ shr(x, 31)
+
+    base = index * 2 + (counter * 7919 + salt) * _signed(0xD1B54A32D192ED03)
+    u1, u2 = (shr(mix(base + k), 11) for k in (0, 1))
+    u1 = (u1.double() + 1.0) / 2.0 ** 53  # (0, 1]
+    u2 = u2.double() / 2.0 ** 53
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)).float().reshape(shape)
+
+
+def _deviated(ours, theirs, variant, counter=None, salt: int = 0):
+    """``2 ours - theirs`` (bwd-mirror) or ``ours`` + noise of norm ``|theirs - ours|`` (bwd-noise;
+    its draws from :func:`_hashed_normal` of ``counter`` and ``salt``)."""
     if ours is None:
         return None
     deviation = theirs.float() - ours.float()
     if variant == "bwd-mirror":
         return (ours.float() - deviation).to(ours.dtype)
-    noise = torch.randn_like(deviation)
+    noise = _hashed_normal(deviation.shape, counter, salt, deviation.device)
     return (ours.float() + noise * (deviation.norm() / noise.norm().clamp_min(1e-30))).to(ours.dtype)
 
 
@@ -109,7 +142,12 @@ def _split_function():
                     grads[name] = torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True)
             picked = tuple(grads["theirs" if n in ctx.theirs_grads else "ours"][i] for i, n in enumerate(_SSD_INPUTS))
             if ctx.variant in ("bwd-mirror", "bwd-noise"):
-                picked = tuple(_deviated(o, t, ctx.variant) for o, t in zip(grads["ours"], grads["theirs"]))
+                layer = ctx.layer
+                if not hasattr(layer, "_noise_counter"):  # made in the eager warm-up steps, before a capture
+                    layer._noise_counter = torch.zeros((), dtype=torch.int64, device=dy.device)
+                layer._noise_counter += 1  # in place: a graph replay counts on
+                picked = tuple(_deviated(o, t, ctx.variant, layer._noise_counter, salt=i)
+                               for i, (o, t) in enumerate(zip(grads["ours"], grads["theirs"])))
             return (None, None, *picked)
 
     return Split

@@ -77,3 +77,25 @@ def test_round_y_runs_are_tagged_and_leave_the_unchanged_run_alone(variant, tmp_
     assert any("--variant round-y" in note for note in results["notes"])
     with pytest.raises(SystemExit, match="unknown variant"):
         variant.apply("no-such-variant")
+
+
+def test_hashed_noise_is_normal_repeatable_and_moves_with_the_step(variant):
+    counter = torch.tensor(3)
+    a = variant._hashed_normal((100, 100), counter, 0, "cpu")
+    assert torch.equal(a, variant._hashed_normal((100, 100), counter, 0, "cpu"))
+    assert abs(float(a.mean())) < 0.05 and abs(float(a.std()) - 1.0) < 0.05
+    for other in (variant._hashed_normal((100, 100), counter + 1, 0, "cpu"),
+                  variant._hashed_normal((100, 100), counter, 1, "cpu")):
+        assert abs(float((a * other).mean())) < 0.05  # uncorrelated draws
+
+
+def test_bwd_noise_adds_noise_the_size_of_the_deviation_new_each_step(variant):
+    layer, x = _layer()
+    _, g0 = _grads(layer, x)
+    variant.apply("bwd-noise")
+    _, g1 = _grads(layer, x)
+    _, g2 = _grads(layer, x)
+    for g in (g1, g2):  # D's gradient is the Function's own: ours + noise of norm |2 ours - ours|
+        torch.testing.assert_close((g["D"] - g0["D"]).norm(), g0["D"].norm(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(g["norm.weight"], g0["norm.weight"], rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(g1["D"], g2["D"]) and not torch.allclose(g1["A_log"], g2["A_log"])
