@@ -101,24 +101,27 @@ def gradients(model, config, ids, labels, device: str, like: dict | None = None)
         norm = math.sqrt(sum(float((g * g).sum()) for g in grads[name].values()))
         results[name] = {"loss": float(loss.detach()), "grad_norm": norm}
     spec = grads.get("ref-fp64")
+    if spec is not None:
+        spec_sq = {n: float((t * t).sum()) for n, t in spec.items()}   # once, for every variant
+        total = math.sqrt(sum(spec_sq.values()))
     for name, g in grads.items():
         if spec is None or name == "ref-fp64":
             continue
-        errors = {n: float((g[n] - spec[n]).norm()) for n in spec}
+        deltas = {n: g[n] - spec[n] for n in spec}
+        errors = {n: float(d.norm()) for n, d in deltas.items()}
         diff = math.sqrt(sum(e * e for e in errors.values()))
-        total = math.sqrt(sum(float((spec[n] ** 2).sum()) for n in spec))
         # each parameter's error, relative to the whole gradient's norm: where the error is
         per_param = sorted(((e / max(total, 1e-30), n) for n, e in errors.items()), reverse=True)
         # and relative to its own gradient: small parameters (decays, step sizes, skips) whose
         # gradient is off by a large fraction hide under the whole norm
-        own = {n: e / max(float(spec[n].norm()), 1e-30) for n, e in errors.items()}
+        own = {n: e / max(math.sqrt(spec_sq[n]), 1e-30) for n, e in errors.items()}
         # and along the true gradient: a bias in the step's direction, which noise averages away
-        bias = {n: float(((g[n] - spec[n]) * spec[n]).sum()) / max(float((spec[n] ** 2).sum()), 1e-300) for n in spec}
+        bias = {n: float((d * spec[n]).sum()) / max(spec_sq[n], 1e-300) for n, d in deltas.items()}
         results[name].update(grad_rel_err=diff / max(total, 1e-30),
                              param_rel_err={n: float(f"{e:.3g}") for n, e in own.items()},
                              param_bias={n: float(f"{b:.3g}") for n, b in bias.items()},
                              largest_errors={n: round(e, 6) for e, n in per_param[:5]},
-                             largest_true_grads={n: round(float(spec[n].norm()) / max(total, 1e-30), 6)
+                             largest_true_grads={n: round(math.sqrt(spec_sq[n]) / max(total, 1e-30), 6)
                                                  for _, n in per_param[:5]})
     return results
 

@@ -42,6 +42,8 @@ VARIANTS = ("ssd-kernel", "round-y", "fwd-theirs", "bwd-theirs", "bwd-theirs-dec
             "bwd-mirror", "bwd-noise")
 # per split variant: (forward from mamba_ssm?, the inputs whose gradient comes from mamba_ssm)
 _SSD_INPUTS = ("xs", "dt", "dt_bias", "A_log", "D", "B", "C")
+# hybridzoo's own Mamba2._ssd, kept when a variant replaces it
+_ORIGINAL_SSD: dict = {}
 _SPLITS = {"fwd-theirs": (True, ()), "bwd-theirs": (False, _SSD_INPUTS),
            "bwd-theirs-decay": (False, ("dt", "dt_bias", "A_log")),
            "bwd-theirs-xbc": (False, ("xs", "D", "B", "C")),
@@ -49,18 +51,10 @@ _SPLITS = {"fwd-theirs": (True, ()), "bwd-theirs": (False, _SSD_INPUTS),
 
 
 def _ssd_ours(self, xs, dt, dt_bias, A_log, D, B, C):
-    """hybridzoo's SSD part of ``Mamba2._body``: ``y + D x`` [B, T, H, P] float32 (float64 for float64)."""
-    import torch
-    import torch.nn.functional as F
+    """hybridzoo's SSD (``Mamba2._ssd``, unpatched): ``y + D x`` [B, T, H, P] float32 (float64 for float64)."""
+    from hybridzoo.layers.mamba2 import Mamba2
 
-    from hybridzoo.layers.state import state_dtype
-
-    compute = state_dtype(xs.dtype)
-    d = F.softplus(dt.to(compute) + dt_bias.to(compute))
-    log_a = d * -torch.exp(A_log.to(compute))
-    v = (xs.to(compute) * d[..., None]).to(xs.dtype)
-    y, _ = self._scan(C, B, v, log_a, None)
-    return y + D.to(compute)[:, None] * xs.to(compute)
+    return _ORIGINAL_SSD.get("ssd", Mamba2._ssd)(self, xs, B, C, dt, dt_bias, A_log, D, None)[0]
 
 
 def _ssd_theirs(self, xs, dt, dt_bias, A_log, D, B, C):
@@ -153,61 +147,33 @@ def _split_function():
     return Split
 
 
-def _split_body(variant):
-    split = _split_function()
-
-    def body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep=None):
-        """``Mamba2._body`` with its SSD part as the ``Split`` Function of ``variant``."""
+def _ssd_patch(ssd):
+    """A ``Mamba2._ssd`` that computes ``y + D x`` with ``ssd(layer, xs, dt, dt_bias, A_log, D, B, C)``
+    (training from an empty state; the recurrent state it returns is None)."""
+    def patched(self, xs, B, C, dt, dt_bias, A_log, D, recurrent, keep=None):
         if recurrent is not None:
-            raise ValueError(f"{variant} variant: training from an empty state only")
-        batch, length, _ = zxbcdt.shape
-        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
-        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv_tail = conv(xBC, conv_tail)
-        xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
-        y = split.apply(self, variant, xs.unflatten(-1, (H, P)), dt, dt_bias, A_log, D,
-                        B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)))
-        y = norm(y.reshape(batch, length, self.d_inner), z)
-        return out(y), conv_tail, None
-
-    return body
-
-
-def _ssd_kernel_body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep=None):
-    """``Mamba2._body`` with mamba_ssm's SSD (scan, softplus of ``dt + dt_bias`` and ``D x``)."""
-    import torch
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    if recurrent is not None:
-        raise ValueError("ssd-kernel variant: training from an empty state only")
-    batch, length, _ = zxbcdt.shape
-    H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.d_state
-    z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
-    xBC, conv_tail = conv(xBC, conv_tail)
-    xs, B, C = xBC.split([self.d_inner, G * N, G * N], dim=-1)
-    y, final = mamba_chunk_scan_combined(
-        xs.unflatten(-1, (H, P)), dt, -torch.exp(A_log.float()), B.unflatten(-1, (G, N)),
-        C.unflatten(-1, (G, N)), chunk_size=self.config.chunk_size, D=D, dt_bias=dt_bias,
-        dt_softplus=True, return_final_states=True)
-    y = norm(y.reshape(batch, length, self.d_inner), z)
-    return out(y), conv_tail, final.transpose(-1, -2)  # mamba_ssm's [B, H, P, N] -> ours
+            raise ValueError("mqar_mamba2_variant: training from an empty state only")
+        return ssd(self, xs, dt, dt_bias, A_log, D, B, C), None
+    return patched
 
 
 def apply(variant: str) -> None:
     """Patch :class:`hybridzoo.layers.mamba2.Mamba2` for ``variant`` (one of :data:`VARIANTS`)."""
     from hybridzoo.layers import mamba2
 
+    _ORIGINAL_SSD.setdefault("ssd", mamba2.Mamba2._ssd)
     original = mamba2.Mamba2._body
-    if variant == "ssd-kernel":
-        mamba2.Mamba2._body = _ssd_kernel_body
-        mamba2.Mamba2.mix = mamba2.Mamba2._mix_modules  # autograd through mamba_ssm's own Function
+    if variant == "ssd-kernel":  # autograd through mamba_ssm's own Function
+        mamba2.Mamba2._ssd = _ssd_patch(_ssd_theirs)
+        mamba2.Mamba2.mix = mamba2.Mamba2._mix_modules
     elif variant == "round-y":
         def body(self, zxbcdt, conv, norm, out, *rest, **kw):
             rounded = lambda y, z: norm(y.to(zxbcdt.dtype), z)  # noqa: E731
             return original(self, zxbcdt, conv, rounded, out, *rest, **kw)
         mamba2.Mamba2._body = body
     elif variant in _SPLITS:
-        mamba2.Mamba2._body = _split_body(variant)
+        split = _split_function()
+        mamba2.Mamba2._ssd = _ssd_patch(lambda layer, *inputs: split.apply(layer, variant, *inputs))
         mamba2.Mamba2.mix = mamba2.Mamba2._mix_modules
     else:
         raise SystemExit(f"mqar_mamba2_variant: unknown variant {variant!r}; choose from {VARIANTS}")

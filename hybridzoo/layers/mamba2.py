@@ -196,23 +196,29 @@ class Mamba2(Mixer):
         xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
         B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
 
-        compute = state_dtype(zxbcdt.dtype)                                  # float32 (float64)
+        y, recurrent = self._ssd(xs, B, C, dt, dt_bias, A_log, D, recurrent, keep)
+        y = norm(y.reshape(batch, length, self.d_inner), z)
+        return out(y), conv_tail, recurrent
+
+    def _ssd(self, xs, B, C, dt, dt_bias, A_log, D, recurrent, keep: Kept | None = None):
+        """The SSD part of :meth:`_body`, from the conv's output (``xs [B, T, H, P]``, ``B``, ``C``
+        ``[B, T, G, N]``) and ``in_proj``'s raw ``dt [B, T, H]`` to ``y + D x`` (``[B, T, H, P]``
+        float32, float64 for float64) and the recurrent state."""
+        compute = state_dtype(xs.dtype)                                      # float32 (float64)
         dt = F.softplus(dt.to(compute) + dt_bias.to(compute))               # [B, T, H]
         if tuple(self.config.time_step_limit) != (0.0, float("inf")):
             dt = dt.clamp(*self.config.time_step_limit)
         log_a = dt * -torch.exp(A_log.to(compute))                          # Δ A <= 0
         # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
         # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
-        v = (xs.to(compute) * dt[..., None]).to(zxbcdt.dtype)               # Δ x: [B, T, H, P]
-        if length == 1 and recurrent is not None:
+        v = (xs.to(compute) * dt[..., None]).to(xs.dtype)                   # Δ x: [B, T, H, P]
+        if xs.shape[1] == 1 and recurrent is not None:
             y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0], recurrent, scale=1.0)
             y = y[:, None]
         else:
             y, recurrent = kept_op(keep, self._scan, self._scan_grads, (C, B, v, log_a, recurrent),
                                    keep_values=(True, False))   # the final state is only returned
-        y = y + D.to(compute)[:, None] * xs.to(compute)                     # [B, T, H, P]
-        y = norm(y.reshape(batch, length, self.d_inner), z)
-        return out(y), conv_tail, recurrent
+        return y + D.to(compute)[:, None] * xs.to(compute), recurrent
 
     def _scan(self, C, B, v, log_a, initial_state):
         """SSD: ``(y [B, T, H, P] in v.dtype, final state [B, H, N, P])``."""
