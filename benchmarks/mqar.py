@@ -304,7 +304,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     lock = _LANE_LOCK  # runs sharing this process (--streams) take turns at everything but replays
     with lock:
         run = RunLoop(job["recipe"], job["impl"], spec, job["seed"], job["lr"], device,
-                      graph=job.get("cuda_graph", True))
+                      graph=job.get("cuda_graph", True), dtype=job.get("dtype", "bf16"))
         model, cuda = run.model, device.startswith("cuda")
         row["state_size"] = state_size(run.config, spec["seq_len"])
         row["parameters"] = sum(p.numel() for p in model.parameters())
@@ -469,6 +469,8 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                 for seed in args.seeds:
                     tag = "".join(f"-{k.split('.', 1)[1]}={v}" for k, v in spec.get("overrides", {}).items()
                                   if k.split(".", 1)[0] == kind and impl == "hybridzoo")
+                    dtype = getattr(args, "dtype", "bf16")
+                    tag += "" if dtype == "bf16" else f"-{dtype}"  # both implementations: a run of each in fp32
                     run_id = f"{args.setting}-{recipe}{tag}-{impl}-lr{lr:g}-s{seed}"
                     path = runs_dir / f"{run_id}.json"
                     if path.is_file() and not path.with_suffix(".resume.pt").is_file():
@@ -477,7 +479,7 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                     jobs.append(dict(id=run_id, setting=args.setting, recipe=recipe, variant=tag, kind=kind, size=size,
                                      impl=impl, lr=lr, seed=seed, spec=spec, device=dev, path=str(path),
                                      threads=args.threads, cuda_graph=getattr(args, "cuda_graph", True),
-                                     quick_autotune=not getattr(args, "full_autotune", False),
+                                     quick_autotune=not getattr(args, "full_autotune", False), dtype=dtype,
                                      commit=commit))
     return jobs, skipped
 
@@ -570,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                         help="run every CUDA training step eagerly (default: capture the step as a CUDA graph "
                              "after 3 eager steps, checked against an eager step; see benchmarks/graph_step.py)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16: training and evaluation under bf16 autocast on CUDA (the benchmark's "
+                             "setting); fp32: float32 throughout, for both implementations (runs tagged -fp32)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--out-dir", dest="out_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="file stem (default: <today>-mqar)")

@@ -622,3 +622,33 @@ def test_cpu_mamba_wrapper_launches_each_tuned_kernel_at_its_first_candidate(mon
     tuned[(1,)](out)
     assert out.tolist() == [2] * 8 and hooked == [(8,)]
     assert tuned.best_config is configs[0] and tuned.configs is configs
+
+
+def test_dtype_fp32_tags_both_implementations_and_reaches_the_training_loop(tmp_path, monkeypatch):
+    """``--dtype fp32`` names every run ``-fp32`` (both implementations, so that they never mix with
+    the benchmark's bf16 runs in one file) and hands the dtype to :class:`RunLoop`."""
+    monkeypatch.setattr(bench, "reference_skip_reason", lambda kind, device: None)  # plan without mamba_ssm
+    args = bench.parse_args(["--setting", "cpu-smoke", "--kinds", "mamba2", "--sizes", "s", "--seeds", "0",
+                             "--lrs", "1e-2", "--dtype", "fp32", "--out-dir", str(tmp_path)])
+    jobs, _ = bench.plan(args, dict(bench.SETTINGS["cpu-smoke"]), "cpu", tmp_path)
+    assert sorted(job["id"] for job in jobs) == ["cpu-smoke-mqar-mamba2-s-fp32-hybridzoo-lr0.01-s0",
+                                                 "cpu-smoke-mqar-mamba2-s-fp32-reference-lr0.01-s0"]
+    assert {job["variant"] for job in jobs} == {"-fp32"} and {job["dtype"] for job in jobs} == {"fp32"}
+    plain, _ = bench.plan(bench.parse_args(["--setting", "cpu-smoke", "--kinds", "mamba2", "--sizes", "s",
+                                            "--seeds", "0", "--lrs", "1e-2", "--out-dir", str(tmp_path)]),
+                          dict(bench.SETTINGS["cpu-smoke"]), "cpu", tmp_path)
+    assert {job["variant"] for job in plain} == {""} and {job["dtype"] for job in plain} == {"bf16"}
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def recording_loop(*args, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        raise Stop
+
+    monkeypatch.setattr(bench, "RunLoop", recording_loop)
+    with pytest.raises(Stop):
+        bench.train_run(jobs[0])
+    assert seen == ["fp32"]
