@@ -3,7 +3,10 @@
 * ``HYBRIDZOO_AUTOTUNE=0``: an autotuned Triton kernel launches with its launcher's fixed settings
   instead of the autotuner's choice (``launch.run``);
 * ``HYBRIDZOO_SECO_FLASH=0``: SeCO's chunk attention no longer takes PyTorch's flash backward on
-  CUDA in bf16 / fp16 (``chunk_attention_applies``); the CPU path does not depend on it.
+  CUDA in bf16 / fp16 (``chunk_attention_applies``); the CPU path does not depend on it;
+* ``HYBRIDZOO_COMPILE_THREADS=N``: an autotuner's candidates are compiled on N threads before
+  it times them (``launch.precompile``, called by ``launch.run``; 0 by default); a value that is
+  not a whole number is refused at import.
 
 The CUDA tensor and the autotuner are stand-ins: only the decisions run, nothing is launched.
 """
@@ -49,6 +52,8 @@ class _Plain:
         return lambda *args, **kwargs: self.launched.append(("fixed", kwargs))
 
 
+precompiled = []
+launch.precompile = lambda kernel, grid, args, consts: precompiled.append(sorted(consts))
 tuner = StandInAutotuner()
 settings = launch.run(tuner, (1,), fixed={"BLOCK": 32, "num_warps": 4, "num_stages": 1}, N=7)
 
@@ -59,6 +64,8 @@ print(json.dumps({
     "autotune": launch.AUTOTUNE,
     "settings": settings,
     "launched": [path for path, _ in tuner.launched],
+    "compile_threads": launch.COMPILE_THREADS,
+    "precompiled": precompiled,
     "flash_on_cuda": chunk_attention.FLASH_ON_CUDA,
     "cuda_bf16": chunk_attention.chunk_attention_applies(fake(torch.bfloat16), fake(torch.bfloat16), "auto"),
     "cuda_fp16": chunk_attention.chunk_attention_applies(fake(torch.float16), fake(torch.float16), "auto"),
@@ -67,21 +74,28 @@ print(json.dumps({
 """
 
 
-def probe(**env) -> dict:
-    environment = {k: v for k, v in os.environ.items() if k not in ("HYBRIDZOO_AUTOTUNE", "HYBRIDZOO_SECO_FLASH")}
+def probe(check: bool = True, **env):
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("HYBRIDZOO_AUTOTUNE", "HYBRIDZOO_SECO_FLASH", "HYBRIDZOO_COMPILE_THREADS")}
     environment.update(env, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
                          env=environment, timeout=300)
+    if not check:
+        return run
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("setting", ["default", "autotune-off", "flash-off"])
+@pytest.mark.parametrize("setting", ["default", "autotune-off", "flash-off", "compile-threads"])
 def test_each_variable_is_read_and_changes_only_its_own_path(setting):
-    env = {"default": {}, "autotune-off": {"HYBRIDZOO_AUTOTUNE": "0"}, "flash-off": {"HYBRIDZOO_SECO_FLASH": "0"}}
+    env = {"default": {}, "autotune-off": {"HYBRIDZOO_AUTOTUNE": "0"}, "flash-off": {"HYBRIDZOO_SECO_FLASH": "0"},
+           "compile-threads": {"HYBRIDZOO_COMPILE_THREADS": "4"}}
     result = probe(**env[setting])
     autotune, flash = setting != "autotune-off", setting != "flash-off"
     assert result["autotune"] is autotune and result["flash_on_cuda"] is flash
+    threads = 4 if setting == "compile-threads" else 0
+    assert result["compile_threads"] == threads
+    assert result["precompiled"] == ([["N"]] if threads else [])  # before the autotuner's launch
     if autotune:  # the autotuner launches and its choice is reported
         assert result["launched"] == ["autotuner"]
         assert result["settings"] == {"BLOCK": 128, "num_warps": 8, "num_stages": 3}
@@ -90,3 +104,8 @@ def test_each_variable_is_read_and_changes_only_its_own_path(setting):
         assert result["settings"] == {"BLOCK": 32, "num_warps": 4, "num_stages": 1}
     assert result["cuda_bf16"] is flash and result["cuda_fp16"] is flash
     assert result["cpu_fp32"] is True  # the CPU always takes it
+
+
+def test_compile_threads_must_be_a_whole_number():
+    run = probe(check=False, HYBRIDZOO_COMPILE_THREADS="many")
+    assert run.returncode != 0 and "HYBRIDZOO_COMPILE_THREADS must be a whole number" in run.stderr

@@ -1,0 +1,128 @@
+"""``launch.precompile``: an autotuner's candidates compiled side by side before it times them.
+
+CPU: the key it checks is the one Triton's autotuner caches its choice under; it compiles through
+Triton's own ``Autotuner.warmup`` (every pruned candidate, with the launch's grid) inside Triton's
+``AsyncCompileMode`` on the asked number of threads, once per key; ``launch.run`` calls it before
+the launch when ``HYBRIDZOO_COMPILE_THREADS`` > 1, and not otherwise. Nothing is compiled here
+(the interpreter runs the kernel; the warmups are recorded).
+GPU (``-m gpu``): the linear-attention op tuned from scratch with precompiling on, against the
+float32 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hybridzoo.kernels.triton import launch  # noqa: E402
+
+_async_compile = pytest.importorskip("triton.runtime._async_compile")
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@triton.jit
+def _fill_kernel(out, n, VALUE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + i, tl.full([BLOCK], VALUE, tl.float32), mask=i < n)
+
+
+def _grid(args):  # n <= 128 here (the kernel masks past n)
+    return (triton.cdiv(128, args["BLOCK"]),)
+
+
+def _tuned(configs=None):
+    """``_fill_kernel`` autotuned over ``configs`` (default: tiles of 32 and 64 on 4 and 8 warps)."""
+    return triton.autotune(configs or launch.warp_configs({"BLOCK": (32, 64)}), key=["n"])(_fill_kernel)
+
+
+ONE = [triton.Config({"BLOCK": 32}, num_warps=4)]  # one candidate: the interpreter runs it, untimed
+
+
+def test_tuning_key_is_the_key_the_autotuner_caches_its_choice_under(monkeypatch):
+    tuned = _tuned()
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: [float(config.kwargs["BLOCK"])] * 3)
+    monkeypatch.setattr(launch, "COMPILE_THREADS", 0)
+    for n, dtype in ((100, torch.float32), (60, torch.float32), (60, torch.float64)):
+        out = torch.zeros(n, dtype=dtype)
+        launch.run(tuned, _grid, out, n, VALUE=2.0, fixed=dict(BLOCK=16, num_warps=4))
+        assert torch.equal(out, torch.full((n,), 2.0, dtype=dtype))  # the interpreter ran the choice
+        assert launch.tuning_key(tuned, (out, n), {"VALUE": 2.0}) in tuned.cache
+    assert len(tuned.cache) == 3
+
+
+def test_precompile_warms_every_candidate_up_in_async_mode_once_per_key(monkeypatch):
+    tuned = _tuned()
+    warmed = []
+
+    def warmup(*args, grid, **kwargs):  # Triton's JITFunction.warmup, recorded
+        mode = _async_compile.active_mode.get()
+        warmed.append(dict(n=args[1], grid=grid, value=kwargs["VALUE"], block=kwargs["BLOCK"],
+                           warps=kwargs["num_warps"], threads=mode and mode.executor._max_workers,
+                           ignore_errors=mode and mode.ignore_errors))
+
+    monkeypatch.setattr(tuned.fn, "warmup", warmup)
+    out = torch.zeros(100)
+    assert launch.precompile(tuned, _grid, (out, 100), {"VALUE": 1.0}, threads=4)
+    assert _async_compile.active_mode.get() is None  # the mode ends with the call
+    expected = [dict(n=100, grid=_grid, value=1.0, block=c.kwargs["BLOCK"], warps=c.num_warps, threads=4,
+                     ignore_errors=True) for c in tuned.configs]
+    assert len(expected) == 4 and warmed == expected
+
+    warmed.clear()
+    tuned.cache[launch.tuning_key(tuned, (out, 100), {"VALUE": 1.0})] = tuned.configs[0]
+    assert not launch.precompile(tuned, _grid, (out, 100), {"VALUE": 1.0}, threads=4) and not warmed  # tuned
+    assert launch.precompile(tuned, _grid, (out, 50), {"VALUE": 1.0}, threads=4) and len(warmed) == 4  # new n
+    warmed.clear()
+    assert not launch.precompile(tuned, _grid, (out, 70), {"VALUE": 1.0}, threads=1) and not warmed
+    single = _tuned(ONE)
+    monkeypatch.setattr(single.fn, "warmup", warmup)
+    assert not launch.precompile(single, _grid, (out, 70), {"VALUE": 1.0}, threads=4) and not warmed
+
+
+def test_run_precompiles_before_the_launch_only_with_threads_set(monkeypatch):
+    tuned = _tuned(ONE)
+    calls = []
+
+    def recording(kernel, grid, args, consts):
+        calls.append((kernel, float(args[0].sum()), consts))  # the output is still unwritten here
+
+    monkeypatch.setattr(launch, "precompile", recording)
+    for threads, expected in ((0, 0), (1, 0), (4, 1)):
+        monkeypatch.setattr(launch, "COMPILE_THREADS", threads)
+        calls.clear()
+        out = torch.zeros(100)
+        launch.run(tuned, _grid, out, 100, VALUE=3.0, fixed=dict(BLOCK=16, num_warps=4))
+        assert torch.equal(out, torch.full((100,), 3.0)) and len(calls) == expected
+        if expected:
+            assert calls[0][0] is tuned and calls[0][1] == 0.0 and calls[0][2] == {"VALUE": 3.0}
+    monkeypatch.setattr(launch, "AUTOTUNE", False)  # fixed settings: nothing to tune, nothing to compile ahead
+    calls.clear()
+    launch.run(tuned, _grid, torch.zeros(100), 100, VALUE=3.0, fixed=dict(BLOCK=16, num_warps=4))
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decay", ("scalar", "per_key"))
+def test_gpu_op_tuned_with_precompiled_candidates_matches_reference(decay, monkeypatch):
+    """Every tuned kernel of the linear-attention op, its candidates compiled on 8 threads, then
+    timed by the autotuner, then the chosen ones run: fwd + bwd against the float32 reference."""
+    from tests.kernels.triton.test_autotune import TUNED
+    from tests.kernels.triton.test_linear_attn import check
+    from tests.kernels.triton.tuning import tuning_rounds
+
+    compiled = []
+    precompile = launch.precompile
+    monkeypatch.setattr(launch, "precompile", lambda *a, **k: compiled.append(precompile(*a, **k)))
+    monkeypatch.setattr(launch, "COMPILE_THREADS", 8)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    for _ in tuning_rounds(monkeypatch, {k: k.configs for k in TUNED.values()}, each=False):
+        check(decay, seed=50, B=2, T=2048, Hk=1, H=4, K=128, V=128, chunk_size=64, log_scale=0.1,
+              scale=128 ** -0.5, dtype=torch.bfloat16, ref_dtype=torch.float32, device="cuda", tol=1e-2)
+    assert any(compiled)
