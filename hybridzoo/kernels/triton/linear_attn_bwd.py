@@ -42,6 +42,7 @@ import triton.language as tl
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.linear_attn_common import (
     CHUNK_TUNING,
+    DQK_TUNING,
     LOG_A_MIN,
     STATE_TUNING,
     SUB_CHUNK,
@@ -338,7 +339,7 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
 _bwd_dh = launch.autotuned(_bwd_dh_kernel, key=TUNE_KEY + ["HAS_DHT", "STORE_DH0"], **STATE_TUNING)
 _bwd_dv = launch.autotuned(_bwd_dv_kernel, key=TUNE_KEY, **CHUNK_TUNING)
 _bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restore=("dq", "dk"),
-                            **CHUNK_TUNING)
+                            **DQK_TUNING)
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A, h,

@@ -44,6 +44,14 @@ STATE_TUNING = dict(configs=launch.warp_configs(stages=(1, 2, 3)), prune=launch.
 _TILES = (16, 32, 64, 128)
 CHUNK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES, "BV": _TILES}),
                     prune=launch.prune_warps("C", tiles=("BK", "BV"), limit={"BK": "K", "BV": "V"}))
+# The backward's q/k kernel (_bwd_dqk_kernel) tries tiles of at most 64: in all 17 tunings on an
+# H200 in benchmarks/results (the kernel table's scalar, per-key and SSD rows at D 128 and
+# gla-340m at K 128, V 256) it chose 64 x 64 on 4 warps, and its 128-wide candidates spill 3.8 to
+# 11 KB a thread compiled for sm_90 (Triton 3.7.1, per-key decay, K 128, V 256), and compiling
+# them takes 28 of the 41 s that all eight take offline on one CPU core. Its eight candidates
+# took 27 s of gla-340m's 67 s cold first step on an H200.
+DQK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES[:3], "BV": _TILES[:3]}),
+                  prune=CHUNK_TUNING["prune"])
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

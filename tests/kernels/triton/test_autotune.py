@@ -45,6 +45,20 @@ def test_chunk_tuning_keeps_tiles_within_the_head_dims_and_8_warps_on_64_wide_ti
     assert {dict(t)["BV"] for t, _, _ in kept(la.CHUNK_TUNING, C=64, K=128, V=256)} == {64, 128}
 
 
+def test_dqk_tuning_keeps_tiles_of_at_most_64():
+    """The backward's q/k kernel: 64 x 64 (the only tile every recorded H200 tuning chose) on 4 or
+    8 warps at the benchmark shapes; narrower heads keep their one padded tile."""
+    from hybridzoo.kernels.triton.linear_attn_common import DQK_TUNING
+
+    def tiles(**shape):
+        return {(dict(t)["BK"], dict(t)["BV"], w) for t, w, _ in kept(DQK_TUNING, **shape)}
+
+    assert tiles(C=64, K=128, V=256) == tiles(C=64, K=128, V=128) == {(64, 64, 4), (64, 64, 8)}
+    assert tiles(C=256, K=128, V=64) == {(64, 64, 4), (64, 64, 8)}  # SSD: d_state 128, head_dim 64
+    assert tiles(C=64, K=64, V=32) == {(64, 32, 4)}
+    assert tiles(C=64, K=16, V=16) == {(16, 16, 4)}
+
+
 def test_state_tuning_tries_stages_and_warps():
     assert {(w, s) for _, w, s in kept(la.STATE_TUNING, C=64, BK=64, BV=64)} == \
         {(w, s) for w in (4, 8) for s in (1, 2, 3)}
@@ -103,6 +117,7 @@ def test_compiled_mode_registers_one_autotuner_per_kernel():
             "from hybridzoo.kernels.triton.delta_rule_split import prune_split_configs\n"
             "assert all(launch.TUNED[k].early_config_prune is prune_split_configs for k in\n"
             "           ('delta_rule_split._state_fwd_split_kernel', 'delta_rule_split._state_bwd_split_kernel'))\n"
+            "assert {c.kwargs['BK'] for c in launch.TUNED['linear_attn_bwd._bwd_dqk_kernel'].configs} == {16, 32, 64}\n"
             "print(' '.join(sorted(launch.TUNED)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
