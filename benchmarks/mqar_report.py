@@ -182,8 +182,11 @@ def write_outputs(results: dict[str, Any], out_dir: Path, name: str) -> list[Pat
 
 
 def collect(results: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
-    """Fold every run file of ``runs_dir`` into ``results`` (runs and summary)."""
-    rows = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))] if runs_dir.is_dir() else []
-    results["runs"] = rows
+    """Fold every run file of ``runs_dir`` into ``results`` (runs and summary). Without that
+    folder (a results file kept without its run files) the runs already in ``results`` stay, and
+    the summary is computed from them."""
+    if runs_dir.is_dir():
+        results["runs"] = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
+    rows = results.setdefault("runs", [])
     results["summary"] = summarize(rows)
     return results

@@ -652,3 +652,20 @@ def test_dtype_fp32_tags_both_implementations_and_reaches_the_training_loop(tmp_
     with pytest.raises(Stop):
         bench.train_run(jobs[0])
     assert seen == ["fp32"]
+
+
+def test_render_only_keeps_the_runs_of_a_results_file_without_its_run_folder(tmp_path):
+    """A results file kept without its ``<name>-runs`` folder (as committed) renders again from
+    the runs it holds; it used to be rewritten with none."""
+    import shutil
+
+    source = Path(bench.ROOT) / "benchmarks" / "results" / "2026-12-03-mqar-gpu-3000-h200.json"
+    shutil.copy(source, tmp_path / "kept.json")
+    runs = json.loads(source.read_text())["runs"]
+    assert runs and not (tmp_path / "kept-runs").exists()
+    assert bench.main(["--render-only", "--name", "kept", "--out-dir", str(tmp_path)]) == 0
+    rendered = json.loads((tmp_path / "kept.json").read_text())
+    assert rendered["runs"] == runs
+    assert {(s["recipe"], s["impl"]) for s in rendered["summary"]} >= {("mqar-gla-s", "hybridzoo"),
+                                                                       ("mqar-gla-s", "reference")}
+    assert "| mqar-gla-s |" in (tmp_path / "kept.md").read_text()
