@@ -484,6 +484,18 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
     return jobs, skipped
 
 
+def restore_run_files(runs: list[dict[str, Any]], runs_dir: Path) -> int:
+    """Write the runs of a results file kept without its run folder (as committed results are)
+    back as ``runs_dir/<id>.json``, so that a new invocation into that file keeps them (the
+    results are rebuilt from the folder) and does not run them again. Returns how many."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    kept = [r for r in runs if r.get("id") and r.get("status") not in (None, "not started")]
+    for run in kept:
+        (runs_dir / f"{run['id']}.json").write_text(json.dumps(run) + "\n")  # as train_run writes them
+    print(f"mqar: {len(kept)} runs of the results file written back to {runs_dir}", flush=True)
+    return len(kept)
+
+
 def merged_setting(previous: dict[str, Any] | None, spec: dict[str, Any], args: argparse.Namespace, device: str,
                    skipped: list[str], argv: list[str]) -> dict[str, Any]:
     """The setting's entry in the results JSON after this invocation: its schedule, and the union
@@ -608,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         print("\n".join(str(p) for p in write_outputs(collect(results, runs_dir), args.out_dir, name)))
         return 0
+    if not runs_dir.is_dir() and results.get("runs"):
+        restore_run_files(results["runs"], runs_dir)
 
     import torch
 

@@ -669,3 +669,22 @@ def test_render_only_keeps_the_runs_of_a_results_file_without_its_run_folder(tmp
     assert {(s["recipe"], s["impl"]) for s in rendered["summary"]} >= {("mqar-gla-s", "hybridzoo"),
                                                                        ("mqar-gla-s", "reference")}
     assert "| mqar-gla-s |" in (tmp_path / "kept.md").read_text()
+
+
+def test_a_new_invocation_into_a_results_file_without_its_run_folder_keeps_its_runs(tmp_path, capsys):
+    """Adding runs to a committed results file (its run folder is not committed): its runs are
+    written back as run files first, so the rebuilt file holds them and the new ones."""
+    import shutil
+
+    source = Path(bench.ROOT) / "benchmarks" / "results" / "2026-12-03-mqar-gpu-3000-h200.json"
+    shutil.copy(source, tmp_path / "kept.json")
+    old = json.loads(source.read_text())["runs"]
+    argv = ["--setting", "cpu-smoke", "--kinds", "attn", "--sizes", "s", "--impls", "hybridzoo", "--device", "cpu",
+            "--seeds", "0", "--lrs", "3e-3", "--max-steps", "2", "--eval-every", "2", "--name", "kept",
+            "--out-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert f"mqar: {len(old)} runs of the results file written back" in capsys.readouterr().out
+    results = json.loads((tmp_path / "kept.json").read_text())
+    ids = [r["id"] for r in results["runs"]]
+    assert sorted(ids) == sorted([r["id"] for r in old] + ["cpu-smoke-mqar-attn-s-hybridzoo-lr0.003-s0"])
+    assert {"gpu", "cpu-smoke"} <= set(results["settings"])
