@@ -252,10 +252,33 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
 
 
 @triton.jit
+def _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc, dA, h_dh, H: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+                    STORE_DG: tl.constexpr, PREC: tl.constexpr):
+    """One value tile's share of :func:`_bwd_dqk_kernel`'s sums over V: ``dO h_jᵀ`` into dq,
+    ``v dh_jᵀ`` into dk, ``dO vᵀ`` into the scores' gradient (not for per-key decays) and
+    ``Σ_v h_j ⊙ dh_j`` (with STORE_DG); returns the four, updated."""
+    vv = i_v * BV + tl.arange(0, BV)
+    m_v = (vv < V)[None, :]
+    do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+    v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
+    m_kv = (kk < K)[:, None] & m_v
+    h_t = tl.load(h + state + vv[None, :], mask=m_kv, other=0.0)
+    dh_t = tl.load(dh + state + vv[None, :], mask=m_kv, other=0.0)
+    if STORE_DG:
+        h_dh += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
+    dq_acc += tl.dot(do_t, tl.trans(h_t.to(do_t.dtype)), input_precision=PREC)
+    dk_acc += tl.dot(v_t, tl.trans(dh_t.to(do_t.dtype)), input_precision=PREC)
+    if DECAY != 2:
+        dA += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)
+    return dq_acc, dk_acc, dA, h_dh
+
+
+@triton.jit
 def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, H: tl.constexpr,
                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, STORE_DG: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, V_LOOP: tl.constexpr = False):
     """dq, dk per value head ([B, T, H, K]; per-key decay adds to the intra parts there, fp32).
 
     With STORE_DG, also the decay gradient in the chunk-local closed form (module docstring):
@@ -279,20 +302,14 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
     dA = tl.zeros([C, C], dtype=tl.float32)
     h_dh = tl.zeros([BK], dtype=tl.float32)  # Σ_v h_j ⊙ dh_j, in fp32
     state = (i_bh.to(tl.int64) * NT + i_c) * K * V + kk[:, None] * V
-    for i_v in tl.static_range((V + BV - 1) // BV):
-        vv = i_v * BV + tl.arange(0, BV)
-        m_v = (vv < V)[None, :]
-        do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
-        v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
-        m_kv = (kk < K)[:, None] & m_v
-        h_t = tl.load(h + state + vv[None, :], mask=m_kv, other=0.0)
-        dh_t = tl.load(dh + state + vv[None, :], mask=m_kv, other=0.0)
-        if STORE_DG:
-            h_dh += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
-        dq_acc += tl.dot(do_t, tl.trans(h_t.to(do_t.dtype)), input_precision=PREC)
-        dk_acc += tl.dot(v_t, tl.trans(dh_t.to(do_t.dtype)), input_precision=PREC)
-        if DECAY != 2:
-            dA += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)
+    if V_LOOP:  # a loop over the value tiles (Triton may pipeline its loads)
+        for i_v in tl.range(0, (V + BV - 1) // BV):
+            dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
+                                                       dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
+    else:  # unrolled
+        for i_v in tl.static_range((V + BV - 1) // BV):
+            dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
+                                                       dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
     out = (rows[:, None] * H + i_h) * K + kk[None, :]
     last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
     causal = c[:, None] >= c[None, :]
@@ -338,8 +355,12 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
 # dq / dk in place for per-key decays, so they are restored between trials
 _bwd_dh = launch.autotuned(_bwd_dh_kernel, key=TUNE_KEY + ["HAS_DHT", "STORE_DH0"], **STATE_TUNING)
 _bwd_dv = launch.autotuned(_bwd_dv_kernel, key=TUNE_KEY, **CHUNK_TUNING)
-_bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restore=("dq", "dk"),
+_bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG", "V_LOOP"], restore=("dq", "dk"),
                             **DQK_TUNING)
+# _bwd_dqk_kernel's sums over the value tiles: unrolled (False), or a loop whose loads Triton may
+# pipeline (True). Compiled for sm_90 the loop halves the 4-warp launch's spills at V 256
+# (docs/kernels.md); it is off until it is timed on a GPU. Both are tested against float64.
+DQK_V_LOOP = False
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A, h,
@@ -396,7 +417,8 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     used = launch.run(_bwd_dqk, lambda args: (triton.cdiv(K, args["BK"]), NT, B * H),
                       q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H,
                       float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
-                      STORE_DG=need_dlog_a, PREC=prec, fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
+                      STORE_DG=need_dlog_a, PREC=prec, V_LOOP=DQK_V_LOOP,
+                      fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     dlog_a = None
     if need_dlog_a:  # a scalar decay per head gets the sum over the key blocks the launch used

@@ -87,6 +87,49 @@ print('OK')
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
 
 
+_INLINE = """
+import triton
+import triton.language as tl
+{helper}
+
+@triton.jit
+def kern(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(x + i, mask=m, other=0.0)
+    for j in tl.static_range(2):
+        a = {step}
+    tl.store(y + i, a, mask=m)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel ships no ptxas")
+def test_ptx_fingerprint_is_blind_to_a_body_moved_into_a_jit_helper(tmp_path):
+    """Moving part of a kernel into a ``@triton.jit`` helper adds the ``$L__tmp`` labels that mark
+    the inlined scope for the debug sections; the instructions, and so the fingerprint, stay."""
+    (tmp_path / "inline_mod.py").write_text(_INLINE.format(helper="", step="tl.exp(a) * 2.0 + tl.sum(a, axis=0)"))
+    (tmp_path / "helper_mod.py").write_text(_INLINE.format(
+        helper="\n@triton.jit\ndef _part(a):\n    return tl.exp(a) * 2.0 + tl.sum(a, axis=0)\n",
+        step="_part(a)"))
+    script = f"""
+import re, sys
+sys.path.insert(0, {str(ROOT / 'scripts')!r}); sys.path.insert(0, {str(tmp_path)!r})
+import kernel_resources as kr, inline_mod, helper_mod
+types = {{"x": "*fp32", "y": "*fp32", "n": "i32"}}
+labels = [len(re.findall(r"^\\$L__tmp\\d+:", kr.compile_sm90(m.kern, types, {{"BLOCK": 128}}).asm["ptx"], re.M))
+          for m in (inline_mod, helper_mod)]
+assert labels[1] > labels[0], labels  # the helper's scope is marked
+prints = [kr.ptx_fingerprint(m.kern, types, {{"BLOCK": 128}}) for m in (inline_mod, helper_mod)]
+assert prints[0] == prints[1], prints
+print('OK')
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel ships no ptxas")
 def test_selective_scan_backward_atomics_are_relaxed():
