@@ -422,7 +422,7 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
         import traceback
 
         row.update(status="failed", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc()[-3000:])
-    path.write_text(json.dumps(row) + "\n")
+    write_run(path, row)
     print(f"mqar: {row['id']}: {row['status']} accuracy {row.get('accuracy')} steps {row.get('steps')}", flush=True)
     return row
 
@@ -455,6 +455,8 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
     """The jobs still to run (not in ``runs_dir``) and the lines saying which rows are skipped;
     ``commit`` (the code's commit, as :func:`metadata` reads it) goes into every job's row."""
     jobs, skipped = [], []
+    dtype = getattr(args, "dtype", "bf16")
+    dtype_tag = "" if dtype == "bf16" else f"-{dtype}"
     gpus = max(1, __import__("torch").cuda.device_count()) if device.startswith("cuda") else 1
     for recipe in mqar_recipes():
         _, kind, size = recipe.split("-")
@@ -469,10 +471,9 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
                 for seed in args.seeds:
                     tag = "".join(f"-{k.split('.', 1)[1]}={v}" for k, v in spec.get("overrides", {}).items()
                                   if k.split(".", 1)[0] == kind and impl == "hybridzoo")
-                    dtype = getattr(args, "dtype", "bf16")
-                    tag += "" if dtype == "bf16" else f"-{dtype}"  # both implementations: a run of each in fp32
+                    tag += dtype_tag  # both implementations: a run of each in fp32
                     run_id = f"{args.setting}-{recipe}{tag}-{impl}-lr{lr:g}-s{seed}"
-                    path = runs_dir / f"{run_id}.json"
+                    path = run_file(runs_dir, run_id)
                     if path.is_file() and not path.with_suffix(".resume.pt").is_file():
                         continue  # done (a run cut by --run-seconds left a checkpoint and is resumed)
                     dev = f"cuda:{len(jobs) % gpus}" if device.startswith("cuda") else device
@@ -484,14 +485,24 @@ def plan(args: argparse.Namespace, spec: dict[str, Any], device: str, runs_dir: 
     return jobs, skipped
 
 
+def run_file(runs_dir: Path, run_id: str) -> Path:
+    """Where a run's row is kept: ``runs_dir/<id>.json``."""
+    return runs_dir / f"{run_id}.json"
+
+
+def write_run(path: Path, row: dict[str, Any]) -> None:
+    """Write one run's row (one JSON line) to its run file."""
+    path.write_text(json.dumps(row) + "\n")
+
+
 def restore_run_files(runs: list[dict[str, Any]], runs_dir: Path) -> int:
     """Write the runs of a results file kept without its run folder (as committed results are)
-    back as ``runs_dir/<id>.json``, so that a new invocation into that file keeps them (the
+    back as run files (:func:`run_file`), so that a new invocation into that file keeps them (the
     results are rebuilt from the folder) and does not run them again. Returns how many."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     kept = [r for r in runs if r.get("id") and r.get("status") not in (None, "not started")]
     for run in kept:
-        (runs_dir / f"{run['id']}.json").write_text(json.dumps(run) + "\n")  # as train_run writes them
+        write_run(run_file(runs_dir, run["id"]), run)
     print(f"mqar: {len(kept)} runs of the results file written back to {runs_dir}", flush=True)
     return len(kept)
 

@@ -13,6 +13,12 @@ from typing import Any
 from benchmarks.mqar_reference import KINDS, REFERENCE_NAMES
 
 
+def counted(row: dict[str, Any]) -> bool:
+    """Whether a run counts in the results: it finished (status ``ok``) and no time limit cut it
+    (``--run-seconds``)."""
+    return row.get("status") == "ok" and not row.get("stopped")
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (setting, recipe, impl): the best learning rate by median accuracy over the
     seeds, its median, min and max, the seeds counted and how many of them diverged (ended on a
@@ -20,7 +26,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by the time limit (``--run-seconds``) are left out."""
     groups: dict[tuple, dict[float, list[dict]]] = {}
     for row in rows:
-        if row.get("status") == "ok" and not row.get("stopped"):  # a run cut by --run-seconds is not counted
+        if counted(row):
             groups.setdefault((row["setting"], row["recipe"] + row.get("variant", ""), row["impl"]), {}).setdefault(row["lr"], []).append(row)
     out = []
     for (setting, recipe, impl), by_lr in groups.items():

@@ -129,13 +129,16 @@ def _split_function():
         @staticmethod
         def backward(ctx, dy):
             inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+            both = ctx.variant in ("bwd-mirror", "bwd-noise")
+            needed = {"ours": both or len(ctx.theirs_grads) < len(_SSD_INPUTS), "theirs": both or bool(ctx.theirs_grads)}
             grads = {}
             with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
                 for name, fn in (("ours", _ssd_ours), ("theirs", _ssd_theirs)):
-                    y = fn(ctx.layer, *inputs)
-                    grads[name] = torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True)
+                    if needed[name]:  # only the implementations whose gradients are taken
+                        y = fn(ctx.layer, *inputs)
+                        grads[name] = torch.autograd.grad(y, inputs, dy.to(y.dtype), allow_unused=True)
             picked = tuple(grads["theirs" if n in ctx.theirs_grads else "ours"][i] for i, n in enumerate(_SSD_INPUTS))
-            if ctx.variant in ("bwd-mirror", "bwd-noise"):
+            if both:
                 layer = ctx.layer
                 if not hasattr(layer, "_noise_counter"):  # made in the eager warm-up steps, before a capture
                     layer._noise_counter = torch.zeros((), dtype=torch.int64, device=dy.device)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs:
             job["variant"] = f"{job['variant']}+{args.variant}"
             job["id"] = job["id"].replace(f"-{job['impl']}-", f"+{args.variant}-{job['impl']}-", 1)
-            job["path"] = str(Path(job["path"]).with_name(f"{job['id']}.json"))
+            job["path"] = str(mqar.run_file(Path(job["path"]).parent, job["id"]))
         return [j for j in jobs if not Path(j["path"]).is_file()], skipped
 
     mqar.plan = tagged

@@ -24,6 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.mqar_report import counted  # noqa: E402
+
 
 def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
     """The finished runs (status ``ok``, not cut by a time limit) of every results file or run folder."""
@@ -34,7 +38,7 @@ def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
         else:
             data = json.loads(path.read_text())
             runs += data["runs"] if isinstance(data, dict) and "runs" in data else [data]
-    return [r for r in runs if r.get("status") == "ok" and not r.get("stopped") and "accuracy" in r]
+    return [r for r in runs if counted(r)]
 
 
 def fisher_exact(a: int, n1: int, b: int, n2: int) -> float:
