@@ -7,7 +7,9 @@ of the forward (inputs read once + output written once over the measured copy ba
 relative error of our output against the anchor's. Prints a table last; writes JSON to --out
 after every row.
 
-    python -m benchmarks kernels --out results/kernels.json [--only delta,per-key] [--append]
+    python -m benchmarks kernels --out results/kernels.json [--only delta,per-key] [--append] [--no-anchor]
+
+``--no-anchor`` times our side only (no anchor timing or autotuning): an A/B of our own settings.
 
 ``--cpu``: the gated delta rule, forward + backward in float32 (B1 T2048 H4 D64, chunk 64), our
 reference ``chunk_delta_rule`` against transformers' ``torch_chunk_gated_delta_rule`` (called
@@ -178,6 +180,10 @@ CASES = [
      lambda: case_linear_attn(8, 2048, 4, 256, False, V=512)),
     ("chunk_linear_attn per-key vs fla chunk_gla (gla-340m)", "B8 T2048 H4 K128 V256",
      lambda: case_linear_attn(8, 2048, 4, 128, True, V=256)),
+    ("chunk_linear_attn scalar vs fla chunk_simple_gla* (retnet-340m)", "B2 T8192 H4 K256 V512",
+     lambda: case_linear_attn(2, 8192, 4, 256, False, V=512)),
+    ("chunk_linear_attn per-key vs fla chunk_gla (gla-340m)", "B2 T8192 H4 K128 V256",
+     lambda: case_linear_attn(2, 8192, 4, 128, True, V=256)),
     ("chunk_delta_rule vs fla chunk_gated_delta_rule* (gated-deltanet-340m)", "B8 T2048 H6 K128 V256",
      lambda: case_delta_rule(8, 2048, 6, 128, V=256)),
     ("chunk_delta_rule vs fla chunk_gated_delta_rule* (qwen35-0.8b)", "B8 T2048 H16 K128 V128",
@@ -213,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=None, help="GPU: comma-separated substrings; run the cases whose name holds one")
     parser.add_argument("--append", action="store_true", help="GPU: keep the rows already in --out (same case and "
                         "shape rows are replaced)")
+    parser.add_argument("--no-anchor", action="store_true", help="GPU: time hybridzoo's side only (no anchor "
+                        "import, no anchor autotuning: a quick A/B of one of our kernel settings)")
     parser.add_argument("--runs", type=int, default=5, help="--cpu: timed runs of each side")
     parser.add_argument("--warmup", type=int, default=1, help="--cpu: untimed runs first")
     parser.add_argument("--seq-len", type=int, default=2048, help="--cpu: T")
@@ -245,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             row["fwd_floor_ms"] = floor_bytes / bandwidth * 1e3
             # ours first, the anchor (whose autotuning can take minutes) last, the row written
             # after each: a job that times out keeps what was measured
-            for who, fn in (("ours", ours), ("ours_fixed", ours), ("anchor", anchor)):
+            sides = (("ours", ours), ("ours_fixed", ours)) + ((("anchor", anchor),) if not args.no_anchor else ())
+            for who, fn in sides:
                 try:  # ours_fixed: our kernels with autotuning off (launch.run's fixed settings)
                     launch.AUTOTUNE = who != "ours_fixed"
                     if who == "anchor":

@@ -234,7 +234,7 @@ def measure(build: Callable[[], tuple[nn.Module, str]], batch: int, tokens: int,
             first_step_s = time.perf_counter() - start
         if step >= warmup:
             times.append(time.perf_counter() - began)
-    record = {"params": sum(p.numel() for p in model.parameters()), "loss": float(loss),
+    record = {"params": sum(p.numel() for p in model.parameters()), "loss": loss.item(),
               "tokens_per_s": batch * tokens * steps / sum(times), "step_s": statistics.median(times),
               "first_step_s": first_step_s,
               "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}

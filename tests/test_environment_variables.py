@@ -5,8 +5,8 @@
 * ``HYBRIDZOO_SECO_FLASH=0``: SeCO's chunk attention no longer takes PyTorch's flash backward on
   CUDA in bf16 / fp16 (``chunk_attention_applies``); the CPU path does not depend on it;
 * ``HYBRIDZOO_COMPILE_THREADS=N``: an autotuner's candidates are compiled on N threads before
-  it times them (``launch.precompile``, called by ``launch.run``; 0 by default); a value that is
-  not a whole number is refused at import.
+  it times them (``launch.precompile``, called by ``launch.run``; unset: the usable CPUs, at
+  most 8; 0 turns it off); a value that is not a whole number is refused at import.
 
 The CUDA tensor and the autotuner are stand-ins: only the decisions run, nothing is launched.
 """
@@ -86,16 +86,18 @@ def probe(check: bool = True, **env):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("setting", ["default", "autotune-off", "flash-off", "compile-threads"])
+@pytest.mark.parametrize("setting", ["default", "autotune-off", "flash-off", "compile-threads", "compile-threads-off"])
 def test_each_variable_is_read_and_changes_only_its_own_path(setting):
     env = {"default": {}, "autotune-off": {"HYBRIDZOO_AUTOTUNE": "0"}, "flash-off": {"HYBRIDZOO_SECO_FLASH": "0"},
-           "compile-threads": {"HYBRIDZOO_COMPILE_THREADS": "4"}}
+           "compile-threads": {"HYBRIDZOO_COMPILE_THREADS": "4"}, "compile-threads-off": {"HYBRIDZOO_COMPILE_THREADS": "0"}}
     result = probe(**env[setting])
     autotune, flash = setting != "autotune-off", setting != "flash-off"
     assert result["autotune"] is autotune and result["flash_on_cuda"] is flash
-    threads = 4 if setting == "compile-threads" else 0
+    usable = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    threads = {"compile-threads": 4, "compile-threads-off": 0}.get(setting, usable)
     assert result["compile_threads"] == threads
-    assert result["precompiled"] == ([["N"]] if threads else [])  # before the autotuner's launch
+    compiled_ahead = autotune and threads > 1
+    assert result["precompiled"] == ([["N"]] if compiled_ahead else [])  # before the autotuner's launch
     if autotune:  # the autotuner launches and its choice is reported
         assert result["launched"] == ["autotuner"]
         assert result["settings"] == {"BLOCK": 128, "num_warps": 8, "num_stages": 3}

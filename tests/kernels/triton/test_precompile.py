@@ -86,6 +86,28 @@ def test_precompile_warms_every_candidate_up_in_async_mode_once_per_key(monkeypa
     assert not launch.precompile(single, _grid, (out, 70), {"VALUE": 1.0}, threads=4) and not warmed
 
 
+def test_precompile_leaves_compiling_to_the_autotuner_where_the_mode_takes_other_arguments(monkeypatch):
+    """Triton's async mode is private: where its constructor changes, precompile steps aside."""
+    tuned = _tuned()
+    warmed = []
+    monkeypatch.setattr(tuned.fn, "warmup", lambda *args, **kwargs: warmed.append(kwargs))
+
+    def changed(executor):  # a mode without ignore_errors
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(_async_compile, "AsyncCompileMode", changed)
+    assert not launch.precompile(tuned, _grid, (torch.zeros(100), 100), {"VALUE": 1.0}, threads=4)
+    assert not warmed
+
+
+def test_default_threads_are_the_usable_cpus_at_most_8(monkeypatch):
+    import os
+
+    for cpus, expected in ((1, 1), (2, 2), (16, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)), raising=False)
+        assert launch.default_compile_threads() == expected
+
+
 def test_run_precompiles_before_the_launch_only_with_threads_set(monkeypatch):
     tuned = _tuned(ONE)
     calls = []
