@@ -21,6 +21,7 @@ unless set), so a second run on the same machine skips fla's minutes of autotuni
     python -m benchmarks models --out results/models.json
     python -m benchmarks models --pairs gla-340m,attn-340m --lengths 2048 --repeats 3
     python -m benchmarks models --first-step --pairs gla-340m --lengths 2048     # cold start only
+    python -m benchmarks models --first-step --all-compile-threads 8 --pairs gla-340m  # fill the cache faster
     python -m benchmarks models --cpu-smoke --out /tmp/models-smoke.json     # tiny shapes on a CPU
 """
 
@@ -44,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.meta import run_metadata, write_json  # noqa: E402
+from benchmarks.precompile import every_autotuner_precompiled  # noqa: E402
 from hybridzoo import HybridConfig, HybridLM  # noqa: E402
 
 
@@ -342,7 +344,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "1 + 1 steps): every code path, no timing worth reading")
     parser.add_argument("--first-step", action="store_true", help="each side once, to the end of its first step "
                         "(the cold-start figure; also fills Triton's cache for a timed run)")
+    parser.add_argument("--all-compile-threads", type=int, default=0, metavar="N", help="every Triton autotuner in "
+                        "the process, the peer's too, compiles its candidates on N threads before timing them "
+                        "(benchmarks/precompile.py): fills Triton's cache faster; the peer's first step is then "
+                        "not a user's cold start")
     args = parser.parse_args(argv)
+    if args.all_compile_threads < 0:
+        parser.error(f"--all-compile-threads must be 0 or more, got {args.all_compile_threads}")
     if args.first_step:
         args.repeats, args.warmup, args.steps = 1, 0, 1
     elif args.repeats < 3 and not args.cpu_smoke:
@@ -370,17 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(t) for t in args.lengths.split(",") if t]
     header = {**run_metadata(("fla", "mamba_ssm", "causal_conv1d", "transformers")),
               "settings": {"batch": {t: batch_for(t, args) for t in lengths}, "lengths": lengths,
-                           "first_step_only": args.first_step, "repeats": args.repeats, "warmup": args.warmup,
+                           "first_step_only": args.first_step, "all_compile_threads": args.all_compile_threads,
+                           "repeats": args.repeats, "warmup": args.warmup,
                            "steps": args.steps, "weights": "float32", "autocast": "bf16" if device.type == "cuda"
                            else None, "optimizer": "AdamW (fused on CUDA), lr 1e-4", "data": "random tokens",
                            "order": "ours, peer, ours, peer, ... (interleaved repetitions)", "cpu_smoke": args.cpu_smoke,
                            "fla": "gated backward allowed on Triton < 3.7 (fla.ops.common.chunk_o."
                                   "TRITON_ABOVE_3_7_1 = True)"}}
     rows = []
-    for tokens in lengths:
-        for pair in pairs:
-            rows.append(run_pair(pair, tokens, args, device))
-            write_json(out, {**header, "rows": rows})
+    with every_autotuner_precompiled(args.all_compile_threads if device.type == "cuda" else 0):
+        for tokens in lengths:
+            for pair in pairs:
+                rows.append(run_pair(pair, tokens, args, device))
+                write_json(out, {**header, "rows": rows})
     print(table(rows))
     print(f"wrote {out}")
     return 0

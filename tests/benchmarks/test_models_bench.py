@@ -86,13 +86,17 @@ def test_cli_refuses_few_repeats_and_unknown_pairs(capsys):
     with pytest.raises(SystemExit):
         models.parse_args(["--pairs", "gla-340m,nope"])
     assert "unknown pair" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        models.parse_args(["--all-compile-threads", "-1"])
+    assert "0 or more" in capsys.readouterr().err
 
 
 def test_cpu_smoke_cli_writes_json(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SMOKE_PAIRS", "attn-340m")
     out = tmp_path / "models.json"
-    assert models.main(["--cpu-smoke", "--out", str(out)]) == 0
+    assert models.main(["--cpu-smoke", "--all-compile-threads", "4", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
+    assert record["settings"]["all_compile_threads"] == 4  # recorded (a CPU has no autotuner to change)
     assert record["settings"]["cpu_smoke"] and record["versions"]["torch"] == torch.__version__
     assert [row["pair"] for row in record["rows"]] == ["attn-340m"] and record["rows"][0]["ratio_tokens_per_s"]
 

@@ -1,0 +1,50 @@
+"""Every Triton autotuner in the process compiling its candidates side by side: a faster cold cache.
+
+hybridzoo's own autotuned launches compile their candidates on several threads before timing them
+(``hybridzoo.kernels.triton.launch.precompile``, ``HYBRIDZOO_COMPILE_THREADS``). A peer's kernels
+(fla's) are autotuned by Triton alone, one candidate at a time: fla's GLA model took 523 s to its
+first step on an empty cache on an H200. :func:`every_autotuner_precompiled` applies the same
+side-by-side compile to every ``triton.autotune`` kernel launched inside it, the peer's included.
+The autotuners still time every candidate and choose as before; only the compiles overlap. A
+benchmark uses it to fill Triton's cache (``TRITON_CACHE_AUTOTUNING=1``) before a timed run, and
+then its peer's first step is no user's cold start (``benchmarks.models`` records the setting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def every_autotuner_precompiled(threads: int) -> Iterator[None]:
+    """Inside the block, each ``triton.runtime.Autotuner`` launch first compiles its pruned
+    candidates on ``threads`` threads (once per tuning key, through
+    :func:`hybridzoo.kernels.triton.launch.precompile`); outside it, Triton's own behaviour.
+    ``threads`` < 2 changes nothing."""
+    if threads < 2:
+        yield
+        return
+    from triton.runtime.autotuner import Autotuner
+
+    from hybridzoo.kernels.triton import launch
+
+    original = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        grid = kwargs.get("grid")
+        if grid is not None and not kwargs.get("warmup"):
+            consts = {name: value for name, value in kwargs.items() if name not in ("grid", "warmup")}
+            try:
+                launch.precompile(self, grid, args, consts, threads=threads)
+            except Exception as error:  # noqa: BLE001 - compiling ahead only saves time
+                warnings.warn(f"compiling {self.base_fn.__name__}'s candidates ahead failed ({error!r}); "
+                              "its autotuner compiles them", stacklevel=2)
+        return original(self, *args, **kwargs)
+
+    Autotuner.run = run
+    try:
+        yield
+    finally:
+        Autotuner.run = original
