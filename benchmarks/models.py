@@ -22,6 +22,7 @@ unless set), so a second run on the same machine skips fla's minutes of autotuni
     python -m benchmarks models --pairs gla-340m,attn-340m --lengths 2048 --repeats 3
     python -m benchmarks models --first-step --pairs gla-340m --lengths 2048     # cold start only
     python -m benchmarks models --first-step --all-compile-threads 8 --pairs gla-340m  # fill the cache faster
+    python -m benchmarks models --first-step --no-peer --pairs retnet-340m --lengths 2048  # ours' cold start
     python -m benchmarks models --cpu-smoke --out /tmp/models-smoke.json     # tiny shapes on a CPU
 """
 
@@ -266,6 +267,8 @@ def run_pair(pair: Pair, tokens: int, args: argparse.Namespace, device: torch.de
            "ours_config": config.to_dict()}
     ours = lambda: (HybridLM(config), "hybridzoo")  # noqa: E731
     try:
+        if args.no_peer:
+            raise PeerMissing("--no-peer: hybridzoo's side only")
         if device.type == "cpu" and not pair.peer_on_cpu:
             raise PeerMissing(f"{pair.peer_name} runs on CUDA only")
         try:  # fail fast when the peer is missing (on the meta device: nothing allocated)
@@ -344,6 +347,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "1 + 1 steps): every code path, no timing worth reading")
     parser.add_argument("--first-step", action="store_true", help="each side once, to the end of its first step "
                         "(the cold-start figure; also fills Triton's cache for a timed run)")
+    parser.add_argument("--no-peer", action="store_true", help="hybridzoo's side only (with --first-step: "
+                        "each recipe's own cold start, one recipe per process and empty cache)")
     parser.add_argument("--all-compile-threads", type=int, default=0, metavar="N", help="every Triton autotuner in "
                         "the process, the peer's too, compiles its candidates on N threads before timing them "
                         "(benchmarks/precompile.py): fills Triton's cache faster; the peer's first step is then "
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(t) for t in args.lengths.split(",") if t]
     header = {**run_metadata(("fla", "mamba_ssm", "causal_conv1d", "transformers")),
               "settings": {"batch": {t: batch_for(t, args) for t in lengths}, "lengths": lengths,
-                           "first_step_only": args.first_step, "all_compile_threads": args.all_compile_threads,
+                           "first_step_only": args.first_step, "no_peer": args.no_peer,
+                           "all_compile_threads": args.all_compile_threads,
                            "repeats": args.repeats, "warmup": args.warmup,
                            "steps": args.steps, "weights": "float32", "autocast": "bf16" if device.type == "cuda"
                            else None, "optimizer": "AdamW (fused on CUDA), lr 1e-4", "data": "random tokens",

@@ -58,7 +58,7 @@ def test_each_peer_starts_from_our_init_std(name):
 
 
 def test_run_pair_interleaves_and_reports_median_min_max(tmp_path):
-    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=3, warmup=0, steps=1)
+    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=3, warmup=0, steps=1, no_peer=False)
     lines = []
     row = models.run_pair(models.PAIRS["attn-340m"], 16, args, torch.device("cpu"), log=lines.append)
     order = [line.split()[3] for line in lines]
@@ -72,7 +72,7 @@ def test_run_pair_interleaves_and_reports_median_min_max(tmp_path):
 
 
 def test_a_missing_peer_is_skipped_with_a_message():
-    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=1, warmup=0, steps=1)
+    args = argparse.Namespace(cpu_smoke=True, batch=1, repeats=1, warmup=0, steps=1, no_peer=False)
     lines = []
     row = models.run_pair(models.PAIRS["gated-deltanet-340m"], 16, args, torch.device("cpu"), log=lines.append)
     assert "runs on CUDA only" in row["peer_skipped"] and "peer skipped" in lines[0]
@@ -117,3 +117,12 @@ def test_first_step_runs_each_side_once_to_its_first_step():
     row = models.run_pair(models.PAIRS["attn-340m"], 16, args, torch.device("cpu"), log=lines.append)
     assert len(row["ours"]) == len(row["peer_runs"]) == 1 and row["ours"][0]["first_step_s"] > 0
     assert "attn-340m" in models.table([row]).splitlines()[1]
+
+
+def test_no_peer_times_hybridzoo_alone():
+    args = models.parse_args(["--first-step", "--no-peer"])
+    args.cpu_smoke, args.batch = True, 1
+    lines = []
+    row = models.run_pair(models.PAIRS["attn-340m"], 16, args, torch.device("cpu"), log=lines.append)
+    assert len(row["ours"]) == 1 and row["peer_runs"] == [] and "--no-peer" in row["peer_skipped"]
+    assert "ratio_tokens_per_s" not in row and not any(" peer #" in line for line in lines)
