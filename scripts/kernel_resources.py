@@ -222,7 +222,7 @@ def elementwise_settings():
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
             "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
-    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS"}
+    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC"}
 
     def types(kernel, constexprs):
         return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"
@@ -248,24 +248,29 @@ def elementwise_settings():
         for kind, kernel, configs, extra in (
                 ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
                 ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
-            kept = scan._fitting(configs, fixed["block_t"], block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
+            block_t = fixed["bwd_block_t" if kind == "bwd" else "block_t"]
+            kept = scan._fitting(configs, block_t, block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
             settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"], None)} | {
                 (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
             if kind == "fwd":
-                extra = dict(extra, STAGES=fixed["fwd_stages"], NB_LOOP=0)
+                extra = dict(extra, STAGES=fixed["fwd_stages"], NB_LOOP=0, CKPT_T=fixed["bwd_block_t"])
             extra = dict(extra, SEGMENTED=True)  # the segmented launch: the whole kernel's code
             for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
-                ce = dict(flags, **extra, BLOCK_T=fixed["block_t"], BLOCK_D=block_d,
+                ce = dict(flags, **extra, BLOCK_T=block_t, BLOCK_D=block_d,
                           **({} if cap is None else {"maxnreg": cap}))
                 label = "" if block_n == 16 else f"N={block_n} "
                 yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
                        f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
+        if block_n == 16:  # the backward in 8-token blocks (selective_scan.BWD_BLOCK_T = 8), its fixed tile
+            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8, BLOCK_D=fixed["bwd_block_d"])
+            yield (f"selective_scan _bwd_kernel BLOCK_T=8 BLOCK_D={fixed['bwd_block_d']} warps={fixed['bwd_warps']}",
+                   scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
         # the segments' first passes, at their fixed launches (those of the forward and backward)
         for kernel, kind, ce in (
                 (scan._fwd_carry_kernel, "fwd", dict(HAS_BIAS=True, SOFTPLUS=True, NB_LOOP=0)),
                 (scan._bwd_carry_kernel, "bwd", dict(HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, HAS_DY=True))):
             block_d, warps = fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"]
-            ce = dict(ce, BLOCK_T=fixed["block_t"], BLOCK_N=block_n, BLOCK_D=block_d)
+            ce = dict(ce, BLOCK_T=fixed["bwd_block_t" if kind == "bwd" else "block_t"], BLOCK_N=block_n, BLOCK_D=block_d)
             label = "" if block_n == 16 else f"N={block_n} "
             yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}", kernel,
                    types(kernel, ce), ce, warps, 3)

@@ -64,14 +64,14 @@ def saved_bytes_per_token(mixer) -> float:
 def kept_scan_state_bytes(mixer, backend: str) -> float:
     """Bytes per token a recomputed Mamba-1 mixer keeps so that its backward skips the scan's
     forward (``Mamba1Config.keep_scan_states``): with the Triton backend one float32 state ``[d_inner, N]`` per
-    time block of the scan (8 tokens under the interpreter, 16 on a GPU); none otherwise."""
+    time block of the scan's backward (8 tokens under the interpreter, BWD_BLOCK_T or 16 on a GPU); none otherwise."""
     import importlib
 
     triton_scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
 
     if not isinstance(mixer, Mamba1) or backend != "triton" or not mixer.config.keep_scan_states:
         return 0.0
-    return 4 * mixer.d_inner * mixer.d_state / triton_scan._config(training=True)["block_t"]
+    return 4 * mixer.d_inner * mixer.d_state / triton_scan._config(training=True)["bwd_block_t"]
 
 
 @pytest.mark.parametrize("keep_scan_states", [True, False])

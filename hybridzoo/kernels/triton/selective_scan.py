@@ -14,8 +14,8 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
   warp's lanes and time in each thread's registers), runs the recurrence as an associative scan
   over the block's time axis (pairs ``(a, b)`` composed by multiplication, never divided) and
   folds the carried state in. Only ``y``, the final state and, when a gradient is needed, the
-  state at the start of each time block (``[B, n_blocks, Dm, N]`` float32, one per block, not
-  per token) reach HBM.
+  state at the start of each of the backward's time blocks (``[B, ceil(T / bwd_block_t), Dm, N]``
+  float32, one per block, not per token; :data:`BWD_BLOCK_T`) reach HBM.
 * backward: the blocks in reverse; each block recomputes its states from its boundary state,
   runs the adjoint ``g_t = C_t dy0_t + exp(Δ_{t+1} A) g_{t+1}`` as an associative scan of the block
   flipped in time (``g`` after the last token is the gradient of the final state) and forms all
@@ -55,8 +55,9 @@ __all__ = ["selective_scan", "selective_scan_grads", "selective_scan_saved"]
 def _config(training: bool, block_n: int = 16) -> dict:
     """Fixed block sizes: tiny under the interpreter (``TRITON_INTERPRET=1``), else GPU sizes.
 
-    A forward that will be differentiated shares ``block_t`` with its backward (which restarts
-    from the forward's per-block states); an inference-only forward picks its own. GPU sizes:
+    A forward that will be differentiated stores the state entering every ``bwd_block_t`` tokens
+    (:data:`BWD_BLOCK_T`; by default its own ``block_t``), the backward's time block, which it
+    restarts from; an inference-only forward picks its own block and stores nothing. GPU sizes:
     the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
     softplus bias: ``benchmarks/results/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
     both B2 T16384 D2048 N16 (backward 10.57 ms at 4 channels on 1 warp) and Mamba-130m's B8
@@ -71,16 +72,21 @@ def _config(training: bool, block_n: int = 16) -> dict:
     BLOCK_D]`` tile: a setting whose tile puts more elements on a thread than
     :data:`TILE_PER_THREAD` allows is replaced by the first candidate that fits (:func:`_fitting`);
     the measured settings stand wherever they fit (N up to 16)."""
+    if BWD_BLOCK_T is not None and (BWD_BLOCK_T < 2 or BWD_BLOCK_T & (BWD_BLOCK_T - 1)):
+        raise ValueError(f"selective_scan (triton): BWD_BLOCK_T must be a power of two from 2, not {BWD_BLOCK_T}")
     if launch.interpret():
-        return dict(block_t=8, fwd_block_d=8, fwd_warps=1, fwd_stages=1, bwd_block_d=8, bwd_warps=1)
+        return dict(block_t=8, bwd_block_t=min(BWD_BLOCK_T or 8, 8), fwd_block_d=8, fwd_warps=1, fwd_stages=1,
+                    bwd_block_d=8, bwd_warps=1)
     if not training:
         cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     else:
-        cfg = dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1)
+        cfg = dict(block_t=16, bwd_block_t=min(BWD_BLOCK_T or 16, 16), fwd_block_d=8, fwd_warps=1, fwd_stages=2,
+                   bwd_block_d=4, bwd_warps=1)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
-            if _per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], block_n, cfg[f"{kind}_warps"]) > TILE_PER_THREAD[kind][1]:
-                chosen = _fitting(configs, cfg["block_t"], block_n, TILE_PER_THREAD[kind])[0]
+            block_t = cfg["bwd_block_t" if kind == "bwd" else "block_t"]
+            if _per_thread(block_t, cfg[f"{kind}_block_d"], block_n, cfg[f"{kind}_warps"]) > TILE_PER_THREAD[kind][1]:
+                chosen = _fitting(configs, block_t, block_n, TILE_PER_THREAD[kind])[0]
                 cfg[f"{kind}_block_d"], cfg[f"{kind}_warps"] = chosen.kwargs["BLOCK_D"], chosen.num_warps
     return cfg
 
@@ -133,6 +139,17 @@ def _prune(kind: str):
         return _fitting(list(configs), args["BLOCK_T"], args["BLOCK_N"], TILE_PER_THREAD[kind])
     return prune
 
+
+# The backward's time block (a power of two dividing the training forward's 16; None: 16). The
+# forward stores a state every BWD_BLOCK_T tokens, so a shorter block costs memory (at 8:
+# [B, T / 8, Dm, N] float32, twice the checkpoints) and buys a smaller backward tile: compiled for
+# sm_90 (Triton 3.7.1), the 4-wide 1-warp backward holds 167 registers a thread at 8 tokens
+# against 255 at 16, so 12 programs share an SM instead of 8, for the same instructions per
+# element in its loop (77 against 76 warp instructions per 32 tile elements). On an H200 (Triton 3.6, before the atomics were relaxed) the backward with 8-token
+# blocks took 3.24 ms against 3.97 at Mamba-130m's B8 T2048 D1536 and 12.38 against 10.42 at
+# B2 T16384 D2048 (benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl), where the
+# forward ran 8-token blocks too (0.69 against 0.50 ms); here the forward keeps its 16.
+BWD_BLOCK_T = None
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
@@ -252,16 +269,18 @@ def _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, ro
 def _fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
     y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, NBC,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, NB_LOOP: tl.constexpr, SEGMENTED: tl.constexpr,
+    STAGES: tl.constexpr, NB_LOOP: tl.constexpr, SEGMENTED: tl.constexpr, CKPT_T: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: time blocks ``[s·BPS, (s+1)·BPS)`` of segment ``s`` (the
     whole sequence when ``S == 1``; ``NB_LOOP``: ``BPS`` as a constexpr under the interpreter).
     With ``SEGMENTED`` the segment starts from the state folded from the segments before it:
-    ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``)."""
+    ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``). With
+    ``STORE_CKPT`` the state entering every ``CKPT_T`` tokens (``CKPT_T`` divides ``BLOCK_T``) goes
+    to ``ckpt [B, NBC, Dm, N]``."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     if HAS_D:
@@ -281,13 +300,18 @@ def _fwd_kernel(
     # blocks past NB (the last segment's tail) are all masked: a = 1, b = 0, nothing stored
     for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS, num_stages=STAGES):
         blk = seg * BPS + i
-        if STORE_CKPT:  # the state entering this block
-            tl.store(ckpt_ptr + (b * NB + blk) * DM * N + dn, h, mask=dn_mask & (blk < NB))
+        if STORE_CKPT:  # the state entering this block (its first sub-block)
+            tl.store(ckpt_ptr + (b * NBC + blk * (BLOCK_T // CKPT_T)) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
         m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
             u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         hs, x = _block_states(u, dt, Bt, A, h)  # states of the block's tokens, on chip only
+        if STORE_CKPT:  # the state entering each later sub-block: after the token before it
+            for j in tl.static_range(1, BLOCK_T // CKPT_T):
+                sub = blk * (BLOCK_T // CKPT_T) + j
+                h_sub = tl.sum(tl.where((rows == j * CKPT_T - 1)[:, None, None], hs, 0.0), axis=0)
+                tl.store(ckpt_ptr + (b * NBC + sub) * DM * N + dn, h_sub, mask=dn_mask & (sub < NBC))
         y = tl.sum(hs * Ct[:, :, None], axis=1)
         if HAS_D:
             y += Dv[None, :] * u
@@ -496,17 +520,20 @@ _bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT
 
 def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt):
     """Launch the forward on prepared inputs (:func:`_prepared`): ``(y, final, ckpt)``, ``ckpt`` the
-    state entering each time block ``[B, n_blocks, Dm, N]`` float32 when ``store_ckpt``."""
+    state entering each of the backward's time blocks ``[B, ceil(T / bwd_block_t), Dm, N]`` float32
+    when ``store_ckpt``."""
     batch, length, dm = u.shape
     groups, n = B.shape[2], A.shape[1]
     per_group = dm // groups
     block_n = max(triton.next_power_of_2(n), 2)
     cfg = _config(training=store_ckpt, block_n=block_n)
     n_blocks = triton.cdiv(length, cfg["block_t"])
+    ckpt_t = cfg.get("bwd_block_t", cfg["block_t"])
     segments, per = _segments(n_blocks)
     y = launch.empty((batch, length, dm), u.dtype, u.device)
     final = launch.empty((batch, dm, n), torch.float32, u.device)
-    ckpt = launch.empty((batch, n_blocks, dm, n) if store_ckpt else (1,), torch.float32, u.device)
+    ckpt = launch.empty((batch, triton.cdiv(length, ckpt_t), dm, n) if store_ckpt else (1,), torch.float32,
+                        u.device)
     hl = sdt = final  # unread with one segment
     if segments > 1:
         hl = launch.empty((batch, segments, dm, n), torch.float32, u.device)
@@ -523,11 +550,11 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
         u, delta, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
         y, final, ckpt, hl, sdt,
-        length, dm, n, groups, per_group, n_blocks, segments, per,
+        length, dm, n, groups, per_group, n_blocks, segments, per, triton.cdiv(length, ckpt_t),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
         BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
-        NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1,
+        NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1, CKPT_T=ckpt_t,
         fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
     )
     return y, final, ckpt
@@ -540,9 +567,10 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     cfg = _config(training=True, block_n=max(triton.next_power_of_2(A.shape[1]), 2))
     batch, length, dm = u.shape
     groups, n = B.shape[2], A.shape[1]
-    if ckpt.shape != (batch, triton.cdiv(length, cfg["block_t"]), dm, n):
+    block_t = cfg["bwd_block_t"]
+    if ckpt.shape != (batch, triton.cdiv(length, block_t), dm, n):
         raise ValueError(f"selective_scan (triton): the saved block states have shape {tuple(ckpt.shape)}, "
-                         f"expected {(batch, triton.cdiv(length, cfg['block_t']), dm, n)} for these inputs")
+                         f"expected {(batch, triton.cdiv(length, block_t), dm, n)} for these inputs")
     per_group = dm // groups
     dev = u.device
     n_blocks, block_n = ckpt.shape[1], max(triton.next_power_of_2(n), 2)
@@ -573,7 +601,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
             delta, A, C, u if z is None else z, u if delta_bias is None else delta_bias, u if dy is None else dy,
             gl, sdtn, length, dm, n, groups, per_group, n_blocks, segments, per,
             HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, HAS_DY=dy is not None,
-            BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
+            BLOCK_T=block_t, BLOCK_N=block_n,
             fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
         )
     launch.run(
@@ -586,7 +614,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=cfg["block_t"], BLOCK_N=block_n, SEGMENTED=segments > 1,
+        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1,
         fixed=fixed,
     )
     return (
@@ -678,8 +706,8 @@ def selective_scan_saved(
 
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32, saved)``: ``saved`` is the
-        state entering each time block of the backward, ``[B, ceil(T / block_t), Dm, N]`` float32
-        (``block_t`` from :func:`_config`), which the backward restarts from.
+        state entering each time block of the backward, ``[B, ceil(T / bwd_block_t), Dm, N]``
+        float32 (``bwd_block_t`` from :func:`_config`), which the backward restarts from.
     """
     if u.shape[1] == 0:
         raise ValueError("selective_scan_saved (triton): T must be at least 1")

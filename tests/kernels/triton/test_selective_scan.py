@@ -133,6 +133,42 @@ def test_time_segments_match_loop(monkeypatch, segments, groups, length):
         _check_against_loop(x, weights=weights)
 
 
+@pytest.mark.parametrize("bwd_block_t", [2, 4])
+@pytest.mark.parametrize("groups,length,segments", [(None, 19, 1), (2, 16, 1), (1, 5, 1), (2, 41, 3)])
+def test_backward_blocks_shorter_than_the_forwards_match_loop(monkeypatch, bwd_block_t, groups, length, segments):
+    """BWD_BLOCK_T below the forward's block (8 under the interpreter): the forward stores the
+    state entering every ``bwd_block_t`` tokens, the state after the token before each later
+    sub-block of its own blocks, and the backward restarts from each. Against the float64 loop,
+    every buffer NaN first (an unwritten saved state shows), ragged T, a T under one block, and
+    time segments (41 tokens: forward segments of 8-token blocks, backward ones of shorter)."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(scan, "BWD_BLOCK_T", bwd_block_t)
+    monkeypatch.setattr(scan, "SEGMENTS", segments)
+    x = _inputs(length=length, groups=groups, seed=length + bwd_block_t)
+    for weights in ((1.0, 1.0), (1.0, 0.0)):
+        _check_against_loop(x, weights=weights)
+    f32 = {k: v.float() for k, v in x.items()}
+    _, _, saved = selective_scan_saved(*[f32[k] for k in NAMES[:8]], True, f32["initial_state"])
+    assert saved.shape == (2, -(-length // bwd_block_t), 12, 3)
+    for i, t0 in enumerate(range(0, length, bwd_block_t)):  # the state entering token t0: the loop's final
+        head = {k: v[:, :t0] if k in ("u", "delta", "z", "B", "C") else v for k, v in x.items()}  # over [0, t0)
+        expected = x["initial_state"] if t0 == 0 else _run(selective_scan_loop, head)[1]
+        assert rel_err(saved[:, i], expected) <= 1e-5, i
+
+
+def test_backward_block_must_be_a_power_of_two(monkeypatch):
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    for bad in (1, 3, 6):
+        monkeypatch.setattr(scan, "BWD_BLOCK_T", bad)
+        with pytest.raises(ValueError, match="BWD_BLOCK_T must be a power of two"):
+            scan._config(True)
+
+
 def test_time_segments_without_optional_inputs(monkeypatch):
     """Segments with D, z, delta_bias and the initial state all None, no softplus."""
     import importlib
@@ -330,6 +366,17 @@ def test_gpu_forced_segments(monkeypatch, segments):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bwd_block_t", [4, 8])
+def test_gpu_backward_blocks_shorter_than_the_forwards(monkeypatch, bwd_block_t):
+    """BWD_BLOCK_T below the forward's 16 (with autotuning, as a user runs it) at B2 T4099 D512
+    N16, 4 groups: forward, final state and every gradient in bf16 against the float32 reference."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("hybridzoo.kernels.triton.selective_scan"), "BWD_BLOCK_T", bwd_block_t)
+    test_gpu_gradients(monkeypatch, torch.bfloat16, 1e-2, 4099, 512, 4)
+
+
+@pytest.mark.gpu
 def test_gpu_full_shape_backward_no_nan(monkeypatch):
     """The full benchmark shape through forward and backward in bf16: every gradient finite;
     the channel-local gradients of the first 128 channels against the reference run on them."""
@@ -431,8 +478,8 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)  # the GPU settings, not the interpreter's
     pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
     for n in (2, 4, 8, 16):
-        assert scan._config(True, n) == dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4,
-                                             bwd_warps=1)
+        assert scan._config(True, n) == dict(block_t=16, bwd_block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2,
+                                             bwd_block_d=4, bwd_warps=1)
         assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 4), ("bwd", scan.BWD_CONFIGS, 5)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
@@ -442,9 +489,10 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
         for training in (True, False):
             cfg = scan._config(training, n)
             for kind in ("fwd", "bwd") if training else ("fwd",):
-                load = scan._per_thread(cfg["block_t"], cfg[f"{kind}_block_d"], n, cfg[f"{kind}_warps"])
+                block_t = cfg["bwd_block_t" if kind == "bwd" else "block_t"]
+                load = scan._per_thread(block_t, cfg[f"{kind}_block_d"], n, cfg[f"{kind}_warps"])
                 configs = scan.FWD_CONFIGS if kind == "fwd" else scan.BWD_CONFIGS
-                least = min(scan._per_thread(cfg["block_t"], c.kwargs["BLOCK_D"], n, c.num_warps) for c in configs)
+                least = min(scan._per_thread(block_t, c.kwargs["BLOCK_D"], n, c.num_warps) for c in configs)
                 assert load <= scan.TILE_PER_THREAD[kind][1] or load == least, (n, training, kind, load)
         for kind, configs in (("fwd", scan.FWD_CONFIGS), ("bwd", scan.BWD_CONFIGS)):
             prune = scan._prune(kind)
@@ -481,6 +529,6 @@ def test_backward_register_cap_follows_the_grid(monkeypatch):
 
     assert cap(8, 1536) == scan.BWD_MAXNREG and cap(2, 2048) is None
     assert cap(8, 1536, n=64) is None  # another tile at N = 64
-    base = dict(block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1)
+    base = dict(block_t=16, bwd_block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1)
     assert cap(8, 1536, cfg=dict(base, bwd_block_d=8, bwd_warps=2)) is None
     assert cap(8, 1536, cfg=dict(base, bwd_maxnreg=0)) is None and cap(2, 2048, cfg=dict(base, bwd_maxnreg=168)) == 168
