@@ -247,7 +247,8 @@ def elementwise_settings():
         fixed = scan._config(training=True, block_n=block_n)
         for kind, kernel, configs, extra in (
                 ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
-                ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False))):
+                ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False,
+                                                                  STAGES=fixed["bwd_stages"]))):
             block_t = fixed["bwd_block_t" if kind == "bwd" else "block_t"]
             kept = scan._fitting(configs, block_t, block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
             settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"], None)} | {
@@ -261,10 +262,11 @@ def elementwise_settings():
                 label = "" if block_n == 16 else f"N={block_n} "
                 yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
                        f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
-        if block_n == 16:  # the backward in 8-token blocks (selective_scan.BWD_BLOCK_T = 8), its fixed tile
-            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8, BLOCK_D=fixed["bwd_block_d"])
-            yield (f"selective_scan _bwd_kernel BLOCK_T=8 BLOCK_D={fixed['bwd_block_d']} warps={fixed['bwd_warps']}",
-                   scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
+        for stages in (1, 2) if block_n == 16 else ():  # the backward in 8-token blocks (BWD_BLOCK_T = 8),
+            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8,  # unpipelined and pipelined
+                      BLOCK_D=fixed["bwd_block_d"], STAGES=stages)                     # (BWD_STAGES = 2)
+            yield (f"selective_scan _bwd_kernel BLOCK_T=8 STAGES={stages} BLOCK_D={fixed['bwd_block_d']} "
+                   f"warps={fixed['bwd_warps']}", scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
         # the segments' first passes, at their fixed launches (those of the forward and backward)
         for kernel, kind, ce in (
                 (scan._fwd_carry_kernel, "fwd", dict(HAS_BIAS=True, SOFTPLUS=True, NB_LOOP=0)),

@@ -76,12 +76,12 @@ def _config(training: bool, block_n: int = 16) -> dict:
         raise ValueError(f"selective_scan (triton): BWD_BLOCK_T must be a power of two from 2, not {BWD_BLOCK_T}")
     if launch.interpret():
         return dict(block_t=8, bwd_block_t=min(BWD_BLOCK_T or 8, 8), fwd_block_d=8, fwd_warps=1, fwd_stages=1,
-                    bwd_block_d=8, bwd_warps=1)
+                    bwd_block_d=8, bwd_warps=1, bwd_stages=BWD_STAGES)
     if not training:
         cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     else:
         cfg = dict(block_t=16, bwd_block_t=min(BWD_BLOCK_T or 16, 16), fwd_block_d=8, fwd_warps=1, fwd_stages=2,
-                   bwd_block_d=4, bwd_warps=1)
+                   bwd_block_d=4, bwd_warps=1, bwd_stages=BWD_STAGES)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
             block_t = cfg["bwd_block_t" if kind == "bwd" else "block_t"]
@@ -150,6 +150,12 @@ def _prune(kind: str):
 # B2 T16384 D2048 (benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl), where the
 # forward ran 8-token blocks too (0.69 against 0.50 ms); here the forward keeps its 16.
 BWD_BLOCK_T = None
+# The backward's loop over time blocks software-pipelined over BWD_STAGES stages (1: not; the next
+# block's loads issued during this one's work otherwise). At 16-token blocks, with 255 registers
+# a thread, 2 stages made it slower (11.22 against 10.42 ms at B2 T16384 D2048, 4.13 against 3.97
+# at B8 T2048 D1536; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl); with the
+# 8-token blocks' 167 registers it is untimed.
+BWD_STAGES = 1
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
@@ -350,6 +356,57 @@ def _fwd_carry_kernel(
 
 
 @triton.jit
+def _bwd_block(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
+               dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
+               dbias_acc, T, DM, N, G, NB, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SOFTPLUS: tl.constexpr, HAS_DY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One time block ``blk`` of :func:`_bwd_kernel`: recompute its states from the saved one,
+    run the adjoint back from ``carry`` (the adjoint at the next block's first token), store
+    du, d(delta), dz, add to dB and dC; returns ``(carry at this block's first token, dA_acc,
+    dD_acc, dbias_acc)`` with this block's sums added."""
+    t = blk * BLOCK_T + rows
+    m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+        u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
+    Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+    dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
+    # recompute the block's states from the state that entered it
+    h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask, other=0.0)
+    hs, x = _block_states(u, dt, Bt, A, h_start)
+    # output gate
+    if HAS_Z:
+        zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        y0 = tl.sum(hs * Ct[:, :, None], axis=1)
+        if HAS_D:
+            y0 += Dv[None, :] * u
+        sz = tl.sigmoid(zv)
+        tl.store(dz_ptr + off, dy * y0 * sz * (1.0 + zv * (1.0 - sz)), mask=m2)
+        dy0 = dy * zv * sz
+    else:
+        dy0 = dy
+    gs, carry, _ = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
+                                  HAS_BIAS, SOFTPLUS)
+    # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
+    ah = hs - x
+    gdt = gs * dt[:, None, :]
+    dA_acc += tl.sum(gdt * ah, axis=0)
+    gB = tl.sum(gs * Bt[:, :, None], axis=1)
+    ddt = tl.sum(gs * ah * A[None, :, :], axis=1) + u * gB
+    du = dt * gB
+    if HAS_D:
+        du += Dv[None, :] * dy0
+        dD_acc += tl.sum(dy0 * u, axis=0)
+    if SOFTPLUS:
+        ddt = ddt * tl.sigmoid(raw)
+    ddt = tl.where(m2, ddt, 0.0)
+    dbias_acc += tl.sum(ddt, axis=0)
+    tl.store(du_ptr + off, du, mask=m2)
+    tl.store(ddelta_ptr + off, ddt, mask=m2)
+    tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask, sem="relaxed")
+    tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask, sem="relaxed")
+    return carry, dA_acc, dD_acc, dbias_acc
+
+
+@triton.jit
 def _bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr, gl_ptr, sdtn_ptr,
@@ -357,6 +414,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
     sequence when ``S == 1``). With ``SEGMENTED`` the adjoint entering the segment from after it
@@ -365,8 +423,7 @@ def _bwd_kernel(
     (batch, segment), summed in torch."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
-    if HAS_D:
-        Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    Dv = _channel_values(D_ptr, d, dmask, HAS_D)
     if HAS_DHT:  # the adjoint after the last token
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
@@ -383,48 +440,21 @@ def _bwd_kernel(
     dbias_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
     first = seg * BPS
-    blk = tl.minimum(NB, first + BPS) - 1
-    while blk >= first:  # this segment's time blocks in reverse
-        t = blk * BLOCK_T + rows
-        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
-            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
-        Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
-        # recompute the block's states from the state that entered it
-        h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask, other=0.0)
-        hs, x = _block_states(u, dt, Bt, A, h_start)
-        # output gate
-        if HAS_Z:
-            zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
-            y0 = tl.sum(hs * Ct[:, :, None], axis=1)
-            if HAS_D:
-                y0 += Dv[None, :] * u
-            sz = tl.sigmoid(zv)
-            tl.store(dz_ptr + off, dy * y0 * sz * (1.0 + zv * (1.0 - sz)), mask=m2)
-            dy0 = dy * zv * sz
-        else:
-            dy0 = dy
-        gs, carry, _ = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
-                                      HAS_BIAS, SOFTPLUS)
-        # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
-        ah = hs - x
-        gdt = gs * dt[:, None, :]
-        dA_acc += tl.sum(gdt * ah, axis=0)
-        gB = tl.sum(gs * Bt[:, :, None], axis=1)
-        ddt = tl.sum(gs * ah * A[None, :, :], axis=1) + u * gB
-        du = dt * gB
-        if HAS_D:
-            du += Dv[None, :] * dy0
-            dD_acc += tl.sum(dy0 * u, axis=0)
-        if SOFTPLUS:
-            ddt = ddt * tl.sigmoid(raw)
-        ddt = tl.where(m2, ddt, 0.0)
-        dbias_acc += tl.sum(ddt, axis=0)
-        tl.store(du_ptr + off, du, mask=m2)
-        tl.store(ddelta_ptr + off, ddt, mask=m2)
-        tl.atomic_add(dB_ptr + bc_off, tl.sum(gdt * u[:, None, :], axis=2), mask=bc_mask, sem="relaxed")
-        tl.atomic_add(dC_ptr + bc_off, tl.sum(dy0[:, None, :] * hs, axis=2), mask=bc_mask, sem="relaxed")
-        blk -= 1
+    last = tl.minimum(NB, first + BPS) - 1
+    if STAGES > 1:  # software-pipelined: the next (earlier) block's loads are issued during this one
+        for i in tl.range(0, last - first + 1, num_stages=STAGES):
+            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
+                last - i, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
+                dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
+                dbias_acc, T, DM, N, G, NB, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_DY, BLOCK_T, BLOCK_D)
+    else:
+        blk = last
+        while blk >= first:  # this segment's time blocks in reverse
+            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
+                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
+                dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
+                dbias_acc, T, DM, N, G, NB, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_DY, BLOCK_T, BLOCK_D)
+            blk -= 1
     # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -614,7 +644,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1,
+        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, STAGES=cfg.get("bwd_stages", 1),
         fixed=fixed,
     )
     return (
