@@ -209,7 +209,10 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
                  "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
                  "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
                  "selective_scan _fwd_kernel N=64 BLOCK_D=4 warps=2": 8,
-                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 96}
+                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 96,
+                 # the 8-token backward with its inputs loaded a block ahead: 8 B with Triton 3.9,
+                 # none with 3.7.1 (168 registers with both)
+                 "selective_scan _bwd_kernel BLOCK_T=8 STAGES=1 PREFETCH BLOCK_D=4 warps=1": 16}
 
 
 def elementwise_settings():
@@ -248,7 +251,8 @@ def elementwise_settings():
         for kind, kernel, configs, extra in (
                 ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
                 ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False,
-                                                                  STAGES=fixed["bwd_stages"]))):
+                                                                  STAGES=fixed["bwd_stages"],
+                                                                  PREFETCH=fixed["bwd_prefetch"], NB_LOOP=0))):
             block_t = fixed["bwd_block_t" if kind == "bwd" else "block_t"]
             kept = scan._fitting(configs, block_t, block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
             settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"], None)} | {
@@ -262,11 +266,14 @@ def elementwise_settings():
                 label = "" if block_n == 16 else f"N={block_n} "
                 yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
                        f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
-        for stages in (1, 2) if block_n == 16 else ():  # the backward in 8-token blocks (BWD_BLOCK_T = 8),
-            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8,  # unpipelined and pipelined
-                      BLOCK_D=fixed["bwd_block_d"], STAGES=stages)                     # (BWD_STAGES = 2)
-            yield (f"selective_scan _bwd_kernel BLOCK_T=8 STAGES={stages} BLOCK_D={fixed['bwd_block_d']} "
-                   f"warps={fixed['bwd_warps']}", scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
+        # the backward in 8-token blocks (BWD_BLOCK_T = 8) at its fixed tile: plain, pipelined by
+        # Triton (BWD_STAGES = 2) and with its inputs loaded a block ahead (BWD_PREFETCH)
+        for stages, prefetch in ((1, False), (2, False), (1, True)) if block_n == 16 else ():
+            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8, BLOCK_D=fixed["bwd_block_d"],
+                      STAGES=stages, PREFETCH=prefetch, NB_LOOP=0)
+            yield (f"selective_scan _bwd_kernel BLOCK_T=8 STAGES={stages}{' PREFETCH' if prefetch else ''} "
+                   f"BLOCK_D={fixed['bwd_block_d']} warps={fixed['bwd_warps']}", scan._bwd_kernel,
+                   types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
         # the segments' first passes, at their fixed launches (those of the forward and backward)
         for kernel, kind, ce in (
                 (scan._fwd_carry_kernel, "fwd", dict(HAS_BIAS=True, SOFTPLUS=True, NB_LOOP=0)),

@@ -40,6 +40,8 @@ def main() -> int:
                              "the forward stores a state every that many tokens")
     parser.add_argument("--bwd-stages", type=int, default=1,
                         help="software-pipelining stages of the backward's loop over time blocks (1: none)")
+    parser.add_argument("--bwd-prefetch", action="store_true",
+                        help="the backward loads each time block's inputs during the block before it")
     parser.add_argument("--shape", default="2,16384,2048,16", help="B,T,Dm,N")
     parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
     parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
@@ -95,11 +97,11 @@ def main() -> int:
             if not 4 <= per_thread <= args.max_per_thread:
                 continue  # tiles of fewer elements than threads, or a long register spill
             cfg = dict(base, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t, bwd_stages=args.bwd_stages,
-                       **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
+                       bwd_prefetch=args.bwd_prefetch, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
             if kernel == "bwd":
                 cfg["bwd_maxnreg"] = cap
             row = dict(kernel=kernel, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t,
-                       bwd_stages=args.bwd_stages, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
+                       bwd_stages=args.bwd_stages, bwd_prefetch=args.bwd_prefetch, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
                        module=args.module, segments=args.segments)
             try:
                 if kernel == "fwd":

@@ -76,12 +76,12 @@ def _config(training: bool, block_n: int = 16) -> dict:
         raise ValueError(f"selective_scan (triton): BWD_BLOCK_T must be a power of two from 2, not {BWD_BLOCK_T}")
     if launch.interpret():
         return dict(block_t=8, bwd_block_t=min(BWD_BLOCK_T or 8, 8), fwd_block_d=8, fwd_warps=1, fwd_stages=1,
-                    bwd_block_d=8, bwd_warps=1, bwd_stages=BWD_STAGES)
+                    bwd_block_d=8, bwd_warps=1, bwd_stages=BWD_STAGES, bwd_prefetch=BWD_PREFETCH)
     if not training:
         cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     else:
         cfg = dict(block_t=16, bwd_block_t=min(BWD_BLOCK_T or 16, 16), fwd_block_d=8, fwd_warps=1, fwd_stages=2,
-                   bwd_block_d=4, bwd_warps=1, bwd_stages=BWD_STAGES)
+                   bwd_block_d=4, bwd_warps=1, bwd_stages=BWD_STAGES, bwd_prefetch=BWD_PREFETCH)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
             block_t = cfg["bwd_block_t" if kind == "bwd" else "block_t"]
@@ -156,6 +156,11 @@ BWD_BLOCK_T = None
 # at B8 T2048 D1536; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl); with the
 # 8-token blocks' 167 registers it is untimed.
 BWD_STAGES = 1
+# Each backward time block's inputs loaded during the block before it in the loop (by hand, into
+# registers: u, Δ, B, C, dy, z and the saved state; at the 8-token 4-wide tile 168 registers a
+# thread, no spills, sm_90 with Triton 3.7.1), where Triton's pipeliner moves only B and C through
+# shared memory. Untimed.
+BWD_PREFETCH = False
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
@@ -220,6 +225,16 @@ def _rows_or_zeros(ptr, off, m2, HAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """``(Δ, raw + bias)`` float32 from a loaded tile of ``delta`` ``[BLOCK_T, BLOCK_D]``; Δ = 0
+    outside ``m2``."""
+    raw = raw.to(tl.float32)
+    if HAS_BIAS:
+        raw += bias[None, :]
+    return tl.where(m2, _step_size(raw, SOFTPLUS), 0.0), raw
+
+
+@triton.jit
 def _block_inputs(u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, raw step size (bias added), B's
@@ -228,10 +243,7 @@ def _block_inputs(u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T,
     m2 = tmask[:, None] & dmask[None, :]
     off = (b * T + t)[:, None] * DM + d[None, :]
     u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw += bias[None, :]
-    dt = tl.where(m2, _step_size(raw, SOFTPLUS), 0.0)
+    dt, raw = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
     bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
     bc_mask = tmask[:, None] & nmask[None, :]
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
@@ -260,15 +272,20 @@ def _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, ro
     t_next = t + 1
     m_next = (t_next < T)[:, None] & dmask[None, :]
     raw_next = tl.load(delta_ptr + (b * T + t_next)[:, None] * DM + d[None, :], mask=m_next, other=0.0)
-    raw_next = raw_next.to(tl.float32)
-    if HAS_BIAS:
-        raw_next += bias[None, :]
-    dt_next = tl.where(m_next, _step_size(raw_next, SOFTPLUS), 0.0)
+    dt_next, _ = _step_sizes(raw_next, bias, m_next, HAS_BIAS, SOFTPLUS)
+    gs, g_first = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
+    return gs, g_first, dt_next
+
+
+@triton.jit
+def _adjoint_scan(dt_next, A, dy0, Ct, carry, rows):
+    """:func:`_block_adjoint`'s scan from the next tokens' step sizes ``dt_next``: ``(g, g at
+    the block's first token)``."""
     a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
     c = dy0[:, None, :] * Ct[:, :, None]
     g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
     gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
-    return gs, tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0), dt_next
+    return gs, tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
 
 
 @triton.jit
@@ -356,25 +373,57 @@ def _fwd_carry_kernel(
 
 
 @triton.jit
-def _bwd_block(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
-               dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
-               dbias_acc, T, DM, N, G, NB, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-               SOFTPLUS: tl.constexpr, HAS_DY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One time block ``blk`` of :func:`_bwd_kernel`: recompute its states from the saved one,
-    run the adjoint back from ``carry`` (the adjoint at the next block's first token), store
-    du, d(delta), dz, add to dB and dC; returns ``(carry at this block's first token, dA_acc,
-    dD_acc, dbias_acc)`` with this block's sums added."""
+def _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T: tl.constexpr):
+    """Time block ``blk``'s rows ``t``, the mask and offsets of its ``[BLOCK_T, BLOCK_D]`` tiles of
+    ``[B, T, Dm]`` tensors, and those of its ``[BLOCK_T, BLOCK_N]`` tiles of B and C."""
     t = blk * BLOCK_T + rows
-    m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
-        u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
-    Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
+    tmask = t < T
+    bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+    return (t, tmask[:, None] & dmask[None, :], (b * T + t)[:, None] * DM + d[None, :], bc_off,
+            tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _bwd_loads(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
+               rows, T, DM, N, G, NB, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Time block ``blk``'s inputs to :func:`_bwd_kernel`, as loaded (each in its own dtype):
+    ``(u, delta, delta one token on, B, C, dy (float32, zeros when absent), z, the saved state
+    entering the block)``; zeros past T."""
+    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
+    u = tl.load(u_ptr + off, mask=m2, other=0.0)
+    raw = tl.load(delta_ptr + off, mask=m2, other=0.0)
+    raw_next = tl.load(delta_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
+    Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
+    Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
     dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
+    if HAS_Z:
+        zv = tl.load(z_ptr + off, mask=m2, other=0.0)
+    else:
+        zv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask & (blk < NB), other=0.0)
+    return u, raw, raw_next, Bt, Ct, dy, zv, h_start
+
+
+@triton.jit
+def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+               b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+               HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+               BLOCK_T: tl.constexpr):
+    """One time block ``blk`` of :func:`_bwd_kernel` from its inputs (:func:`_bwd_loads`):
+    recompute its states from the saved one, run the adjoint back from ``carry`` (the adjoint at
+    the next block's first token), store du, d(delta), dz, add to dB and dC; returns ``(carry at
+    this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added."""
+    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
+    u = u.to(tl.float32)
+    dt, raw = _step_sizes(raw, bias, m2, HAS_BIAS, SOFTPLUS)
+    Bt = Bt.to(tl.float32)
+    Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
-    h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask, other=0.0)
     hs, x = _block_states(u, dt, Bt, A, h_start)
     # output gate
     if HAS_Z:
-        zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        zv = zv.to(tl.float32)
         y0 = tl.sum(hs * Ct[:, :, None], axis=1)
         if HAS_D:
             y0 += Dv[None, :] * u
@@ -383,8 +432,8 @@ def _bwd_block(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_
         dy0 = dy * zv * sz
     else:
         dy0 = dy
-    gs, carry, _ = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
-                                  HAS_BIAS, SOFTPLUS)
+    dt_next, _ = _step_sizes(raw_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)
+    gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
     # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
     ah = hs - x
     gdt = gs * dt[:, None, :]
@@ -414,7 +463,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PREFETCH: tl.constexpr, NB_LOOP: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
     sequence when ``S == 1``). With ``SEGMENTED`` the adjoint entering the segment from after it
@@ -441,19 +490,43 @@ def _bwd_kernel(
     rows = tl.arange(0, BLOCK_T)
     first = seg * BPS
     last = tl.minimum(NB, first + BPS) - 1
-    if STAGES > 1:  # software-pipelined: the next (earlier) block's loads are issued during this one
-        for i in tl.range(0, last - first + 1, num_stages=STAGES):
+    if PREFETCH:  # each block's inputs are loaded during the block after it (the one before in this loop)
+        u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
+            last, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
+            rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+        blk = last
+        while blk >= first:
+            u_c, raw_c, raw_next_c, Bt_c, Ct_c, dy_c, zv_c, h_start_c = u, raw, raw_next, Bt, Ct, dy, zv, h_start
+            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
+                tl.maximum(blk - 1, first), u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask,
+                n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
             carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-                last - i, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
-                dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
-                dbias_acc, T, DM, N, G, NB, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_DY, BLOCK_T, BLOCK_D)
+                blk, u_c, raw_c, raw_next_c, Bt_c, Ct_c, dy_c, zv_c, h_start_c, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
+            blk -= 1
+    elif STAGES > 1:  # software-pipelined by Triton: the next (earlier) block's loads during this one;
+        # BPS trips from the segment's last possible block: those past NB (the last segment's tail)
+        # are all masked and pass the adjoint through unchanged (a = 1, nothing added or stored)
+        for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS, num_stages=STAGES):
+            blk = first + BPS - 1 - i
+            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
+                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
+                rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
+                blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
     else:
         blk = last
         while blk >= first:  # this segment's time blocks in reverse
+            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
+                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
+                rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
             carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, du_ptr, ddelta_ptr, dz_ptr,
-                dB_ptr, dC_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, A, bias, Dv, rows, carry, dA_acc, dD_acc,
-                dbias_acc, T, DM, N, G, NB, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_DY, BLOCK_T, BLOCK_D)
+                blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
             blk -= 1
     # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
@@ -645,6 +718,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, STAGES=cfg.get("bwd_stages", 1),
+        PREFETCH=bool(cfg.get("bwd_prefetch", False)), NB_LOOP=launch.loop_count(per),
         fixed=fixed,
     )
     return (

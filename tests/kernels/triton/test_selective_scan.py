@@ -133,23 +133,26 @@ def test_time_segments_match_loop(monkeypatch, segments, groups, length):
         _check_against_loop(x, weights=weights)
 
 
-@pytest.mark.parametrize("bwd_block_t,stages", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("bwd_block_t,stages,prefetch", [(2, 1, False), (4, 1, False), (4, 2, False), (4, 1, True),
+                                                         (8, 1, True)])
 @pytest.mark.parametrize("groups,length,segments", [(None, 19, 1), (2, 16, 1), (1, 5, 1), (2, 41, 3)])
-def test_backward_blocks_shorter_than_the_forwards_match_loop(monkeypatch, bwd_block_t, stages, groups, length,
-                                                              segments):
+def test_backward_blocks_shorter_than_the_forwards_match_loop(monkeypatch, bwd_block_t, stages, prefetch, groups,
+                                                              length, segments):
     """BWD_BLOCK_T below the forward's block (8 under the interpreter): the forward stores the
     state entering every ``bwd_block_t`` tokens, the state after the token before each later
     sub-block of its own blocks, and the backward restarts from each. Against the float64 loop,
     every buffer NaN first (an unwritten saved state shows), ragged T, a T under one block, and
     time segments (41 tokens: forward segments of 8-token blocks, backward ones of shorter).
     ``stages`` 2: the backward's loop written for software pipelining (BWD_STAGES), which the
-    interpreter runs in order."""
+    interpreter runs in order; ``prefetch``: each block's inputs loaded during the block after it
+    (BWD_PREFETCH), also at the forward's own block (8)."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     monkeypatch.setattr(scan, "BWD_BLOCK_T", bwd_block_t)
     monkeypatch.setattr(scan, "BWD_STAGES", stages)
+    monkeypatch.setattr(scan, "BWD_PREFETCH", prefetch)
     monkeypatch.setattr(scan, "SEGMENTS", segments)
     x = _inputs(length=length, groups=groups, seed=length + bwd_block_t)
     for weights in ((1.0, 1.0), (1.0, 0.0)):
@@ -370,16 +373,19 @@ def test_gpu_forced_segments(monkeypatch, segments):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd_block_t,stages", [(4, 1), (8, 1), (8, 2), (16, 2)])
-def test_gpu_backward_blocks_shorter_than_the_forwards(monkeypatch, bwd_block_t, stages):
-    """BWD_BLOCK_T below the forward's 16 and the backward's loop pipelined (BWD_STAGES), with
-    autotuning as a user runs it, at B2 T4099 D512 N16, 4 groups: forward, final state and every
-    gradient in bf16 against the float32 reference."""
+@pytest.mark.parametrize("bwd_block_t,stages,prefetch", [(4, 1, False), (8, 1, False), (8, 2, False), (16, 2, False),
+                                                         (8, 1, True), (16, 1, True)])
+def test_gpu_backward_blocks_shorter_than_the_forwards(monkeypatch, bwd_block_t, stages, prefetch):
+    """BWD_BLOCK_T below the forward's 16, the backward's loop pipelined (BWD_STAGES) or its
+    inputs loaded a block ahead (BWD_PREFETCH), with autotuning as a user runs it, at B2 T4099
+    D512 N16, 4 groups: forward, final state and every gradient in bf16 against the float32
+    reference."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     monkeypatch.setattr(scan, "BWD_BLOCK_T", bwd_block_t)
     monkeypatch.setattr(scan, "BWD_STAGES", stages)
+    monkeypatch.setattr(scan, "BWD_PREFETCH", prefetch)
     test_gpu_gradients(monkeypatch, torch.bfloat16, 1e-2, 4099, 512, 4)
 
 
@@ -486,7 +492,7 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
     for n in (2, 4, 8, 16):
         assert scan._config(True, n) == dict(block_t=16, bwd_block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2,
-                                             bwd_block_d=4, bwd_warps=1, bwd_stages=1)
+                                             bwd_block_d=4, bwd_warps=1, bwd_stages=1, bwd_prefetch=False)
         assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 4), ("bwd", scan.BWD_CONFIGS, 5)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
