@@ -145,10 +145,11 @@ def _prune(kind: str):
 # [B, T / 8, Dm, N] float32, twice the checkpoints) and buys a smaller backward tile: compiled for
 # sm_90 (Triton 3.7.1), the 4-wide 1-warp backward holds 167 registers a thread at 8 tokens
 # against 255 at 16, so 12 programs share an SM instead of 8, for the same instructions per
-# element in its loop (77 against 76 warp instructions per 32 tile elements). On an H200 (Triton 3.6, before the atomics were relaxed) the backward with 8-token
-# blocks took 3.24 ms against 3.97 at Mamba-130m's B8 T2048 D1536 and 12.38 against 10.42 at
-# B2 T16384 D2048 (benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl), where the
-# forward ran 8-token blocks too (0.69 against 0.50 ms); here the forward keeps its 16.
+# element in its loop (77 against 76 warp instructions per 32 tile elements). On an H200
+# (Triton 3.6, before the atomics were relaxed) the backward with 8-token blocks took 3.24 ms
+# against 3.97 at Mamba-130m's B8 T2048 D1536 and 12.38 against 10.42 at B2 T16384 D2048
+# (benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl), where the forward ran 8-token
+# blocks too (0.69 against 0.50 ms); here the forward keeps its 16. Untimed in this form.
 BWD_BLOCK_T = None
 # The backward's loop over time blocks software-pipelined over BWD_STAGES stages (1: not; the next
 # block's loads issued during this one's work otherwise). At 16-token blocks, with 255 registers
