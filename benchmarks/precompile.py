@@ -19,10 +19,11 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def every_autotuner_precompiled(threads: int) -> Iterator[None]:
-    """Inside the block, each ``triton.runtime.Autotuner`` launch first compiles its pruned
-    candidates on ``threads`` threads (once per tuning key, through
-    :func:`hybridzoo.kernels.triton.launch.precompile`); outside it, Triton's own behaviour.
-    ``threads`` < 2 changes nothing."""
+    """Inside the block, each ``triton.runtime.Autotuner`` that tunes a new key first compiles
+    its pruned candidates on ``threads`` threads (the hook hybridzoo's own tuners carry:
+    :func:`hybridzoo.kernels.triton.launch.compile_candidates_once`, in ``Autotuner._bench``,
+    which runs only while a key is tuned); outside it, Triton's own behaviour. ``threads`` < 2
+    changes nothing."""
     if threads < 2:
         yield
         return
@@ -30,21 +31,18 @@ def every_autotuner_precompiled(threads: int) -> Iterator[None]:
 
     from hybridzoo.kernels.triton import launch
 
-    original = Autotuner.run
+    original = Autotuner._bench
 
-    def run(self, *args, **kwargs):
-        grid = kwargs.get("grid")
-        if grid is not None and not kwargs.get("warmup"):
-            consts = {name: value for name, value in kwargs.items() if name not in ("grid", "warmup")}
-            try:
-                launch.precompile(self, grid, args, consts, threads=threads)
-            except Exception as error:  # noqa: BLE001 - compiling ahead only saves time
-                warnings.warn(f"compiling {self.base_fn.__name__}'s candidates ahead failed ({error!r}); "
-                              "its autotuner compiles them", stacklevel=2)
-        return original(self, *args, **kwargs)
+    def _bench(self, *args, config, **meta):
+        try:
+            launch.compile_candidates_once(self, args, meta, threads)
+        except Exception as error:  # noqa: BLE001 - compiling ahead only saves time
+            warnings.warn(f"compiling {self.base_fn.__name__}'s candidates ahead failed ({error!r}); "
+                          "its autotuner compiles them", stacklevel=2)
+        return original(self, *args, config=config, **meta)
 
-    Autotuner.run = run
+    Autotuner._bench = _bench
     try:
         yield
     finally:
-        Autotuner.run = original
+        Autotuner._bench = original

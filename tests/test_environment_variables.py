@@ -5,8 +5,8 @@
 * ``HYBRIDZOO_SECO_FLASH=0``: SeCO's chunk attention no longer takes PyTorch's flash backward on
   CUDA in bf16 / fp16 (``chunk_attention_applies``); the CPU path does not depend on it;
 * ``HYBRIDZOO_COMPILE_THREADS=N``: an autotuner's candidates are compiled on N threads before
-  it times them (``launch.precompile``, called by ``launch.run``; unset: the usable CPUs, at
-  most 8; 0 turns it off); a value that is not a whole number is refused at import.
+  it times them (``launch.compile_ahead``'s hook in the tuning; unset: the usable CPUs, at most
+  8; 0 turns it off); a value that is not a whole number is refused at import.
 
 The CUDA tensor and the autotuner are stand-ins: only the decisions run, nothing is launched.
 """
@@ -39,6 +39,10 @@ class StandInAutotuner(triton.runtime.Autotuner):
         self.launched = []
         self.best_config = SimpleNamespace(kwargs={"BLOCK": 128}, num_warps=8, num_stages=3)
         self.fn = _Plain(self.launched)
+        self.configs, self.arg_names, self.keys, self.cache = [1, 2], ["x", "N"], ["N"], {}
+
+    def _bench(self, *args, config, **meta):  # a candidate timed while a key is tuned
+        return [1.0]
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launched.append(("autotuner", kwargs))
@@ -53,9 +57,10 @@ class _Plain:
 
 
 precompiled = []
-launch.precompile = lambda kernel, grid, args, consts: precompiled.append(sorted(consts))
-tuner = StandInAutotuner()
+launch.precompile = lambda kernel, grid, args, consts, threads: precompiled.append(sorted(consts))
+tuner = launch.compile_ahead(StandInAutotuner())
 settings = launch.run(tuner, (1,), fixed={"BLOCK": 32, "num_warps": 4, "num_stages": 1}, N=7)
+tuner._bench(torch.zeros(1), config=1, grid=(1,), warmup=False, N=7)  # as Triton times a candidate
 
 def fake(dtype, device="cuda", d=64):
     return SimpleNamespace(device=torch.device(device), is_cuda=device == "cuda", dtype=dtype, shape=(1, 4, 2, d))
@@ -96,8 +101,7 @@ def test_each_variable_is_read_and_changes_only_its_own_path(setting):
     usable = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     threads = {"compile-threads": 4, "compile-threads-off": 0}.get(setting, usable)
     assert result["compile_threads"] == threads
-    compiled_ahead = autotune and threads > 1
-    assert result["precompiled"] == ([["N"]] if compiled_ahead else [])  # before the autotuner's launch
+    assert result["precompiled"] == ([["N"]] if threads > 1 else [])  # as a key is tuned
     if autotune:  # the autotuner launches and its choice is reported
         assert result["launched"] == ["autotuner"]
         assert result["settings"] == {"BLOCK": 128, "num_warps": 8, "num_stages": 3}

@@ -1,6 +1,7 @@
-"""benchmarks/precompile.py: every Triton autotuner launched inside ``every_autotuner_precompiled``
-compiles its candidates ahead on the asked threads (once per key), a plain ``triton.autotune``
-kernel as a peer's would be; outside it, and with fewer than 2 threads, Triton's own launch.
+"""benchmarks/precompile.py: every Triton autotuner that tunes a key inside
+``every_autotuner_precompiled`` compiles its candidates ahead on the asked threads (once per key;
+a cached choice compiles nothing), a plain ``triton.autotune`` kernel as a peer's would be;
+outside it, and with fewer than 2 threads, Triton's own tuning.
 Nothing is compiled here: the interpreter runs the kernel, and the warmups are recorded."""
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _peer_kernel(monkeypatch):
-    """A kernel autotuned by Triton alone (not through launch.run), its warmups recorded, its
-    timing stubbed (the interpreter runs each trial)."""
+    """A kernel autotuned by Triton alone (not through launch.autotuned), its warmups recorded,
+    Triton's timing of a candidate stubbed for every autotuner (the interpreter runs each trial)."""
     tuned = triton.autotune([triton.Config({"BLOCK": b}, num_warps=w) for b in (32, 64) for w in (4, 8)],
                             key=["n"])(_fill_kernel)
     monkeypatch.setattr(tuned, "cache_results", False)
-    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: [float(config.kwargs["BLOCK"])] * 3)
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *args, config, **meta: [float(config.kwargs["BLOCK"])] * 3)
     warmed = []
 
     def warmup(*args, grid, **kwargs):
@@ -48,7 +49,7 @@ def _launch(tuned, n, value=2.0):
 
 def test_a_peers_autotuner_compiles_its_candidates_ahead_inside_the_block_only(monkeypatch):
     tuned, warmed = _peer_kernel(monkeypatch)
-    original = Autotuner.run
+    original = Autotuner._bench
     with every_autotuner_precompiled(3):
         _launch(tuned, 100)
         assert sorted(warmed) == sorted((100, b, w, 3) for b in (32, 64) for w in (4, 8))
@@ -57,7 +58,7 @@ def test_a_peers_autotuner_compiles_its_candidates_ahead_inside_the_block_only(m
         assert not warmed
         _launch(tuned, 40)  # a new key
         assert len(warmed) == 4
-    assert Autotuner.run is original
+    assert Autotuner._bench is original
     warmed.clear()
     _launch(tuned, 70)  # outside: Triton's own launch
     assert not warmed
@@ -66,9 +67,9 @@ def test_a_peers_autotuner_compiles_its_candidates_ahead_inside_the_block_only(m
 @pytest.mark.parametrize("threads", [0, 1])
 def test_fewer_than_two_threads_change_nothing(threads, monkeypatch):
     tuned, warmed = _peer_kernel(monkeypatch)
-    original = Autotuner.run
+    original = Autotuner._bench
     with every_autotuner_precompiled(threads):
-        assert Autotuner.run is original
+        assert Autotuner._bench is original
         _launch(tuned, 100)
     assert not warmed
 
@@ -80,7 +81,7 @@ def test_a_failed_compile_ahead_warns_and_the_launch_still_runs(monkeypatch):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(launch, "precompile", broken)
-    original = Autotuner.run
+    original = Autotuner._bench
     with every_autotuner_precompiled(4), pytest.warns(UserWarning, match="_fill_kernel.*no compiler"):
         _launch(tuned, 100)
-    assert Autotuner.run is original
+    assert Autotuner._bench is original

@@ -201,8 +201,8 @@ def autotuned(kernel, configs: list, key: list[str], prune=None, restore: tuple[
     if interpret():
         return kernel
     name = f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}"  # e.g. conv._bwd_kernel
-    TUNED[name] = triton.autotune(configs, key=key, restore_value=list(restore) or None,
-                                  prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
+    TUNED[name] = compile_ahead(triton.autotune(configs, key=key, restore_value=list(restore) or None,
+                                                prune_configs_by={"early_config_prune": prune} if prune else None)(kernel))
     return TUNED[name]
 
 
@@ -259,15 +259,52 @@ def precompile(kernel, grid, args: tuple, consts: dict, threads: int | None = No
     from concurrent.futures import ThreadPoolExecutor
 
     # A candidate that fails to compile is left to the autotuner, which skips it as it would
-    # have (its timing then raises the same error).
+    # have (its timing then raises the same error). The autotuner's warmup clears the launch's
+    # arguments (``nargs``) that a tuning round in progress still reads: kept.
+    nargs = getattr(kernel, "nargs", None)
     with ThreadPoolExecutor(threads, thread_name_prefix="hybridzoo-compile") as pool:
         try:
             mode = AsyncCompileMode(pool, ignore_errors=True)
         except TypeError:  # a Triton whose private mode takes other arguments: compile as Triton does
             return False
-        with mode:
-            kernel.warmup(*args, grid=grid, **consts)
+        try:
+            with mode:
+                kernel.warmup(*args, grid=grid, **consts)
+        finally:
+            kernel.nargs = nargs
     return True
+
+
+def compile_candidates_once(kernel, args: tuple, meta: dict, threads: int | None = None) -> bool:
+    """Called as the autotuner ``kernel`` times a candidate (``Autotuner._bench``'s ``args`` and
+    ``meta``: the launch's constants, ``grid`` and ``warmup``): the first time at a tuning key,
+    :func:`precompile` every candidate on ``threads`` threads (default :data:`COMPILE_THREADS`);
+    later candidates of that key find them compiled. Returns whether it compiled."""
+    threads = COMPILE_THREADS if threads is None else threads
+    if threads < 2 or len(kernel.configs) < 2:
+        return False
+    consts = {name: value for name, value in meta.items() if name not in ("grid", "warmup")}
+    key = tuning_key(kernel, args, consts)
+    done = kernel.__dict__.setdefault("_hybridzoo_compiled_keys", set())
+    if key in done:
+        return False
+    done.add(key)
+    return precompile(kernel, meta["grid"], args, consts, threads)
+
+
+def compile_ahead(kernel, threads: int | None = None):
+    """``kernel`` (a ``triton.runtime.Autotuner``) made to compile all its candidates for a new
+    tuning key side by side before it times the first (:func:`compile_candidates_once`). The
+    hook sits in its ``_bench``, which Triton calls only when it tunes a key: a launch whose
+    choice is cached (in memory or, with ``TRITON_CACHE_AUTOTUNING=1``, on disk) pays nothing."""
+    bench = kernel._bench
+
+    def _bench(*args, config, **meta):
+        compile_candidates_once(kernel, args, meta, threads)
+        return bench(*args, config=config, **meta)
+
+    kernel._bench = _bench
+    return kernel
 
 
 def run(kernel, grid, *args, fixed: dict, **consts):
@@ -277,8 +314,6 @@ def run(kernel, grid, *args, fixed: dict, **consts):
     Returns the settings the launch used (``fixed`` or the autotuner's choice)."""
     if isinstance(kernel, triton.runtime.Autotuner):
         if AUTOTUNE:
-            if COMPILE_THREADS > 1:
-                precompile(kernel, grid, args, consts)
             kernel[grid](*args, **consts)
             return {**kernel.best_config.kwargs, "num_warps": kernel.best_config.num_warps,
                     "num_stages": kernel.best_config.num_stages}

@@ -2,8 +2,9 @@
 
 CPU: the key it checks is the one Triton's autotuner caches its choice under; it compiles through
 Triton's own ``Autotuner.warmup`` (every pruned candidate, with the launch's grid) inside Triton's
-``AsyncCompileMode`` on the asked number of threads, once per key; ``launch.run`` calls it before
-the launch when ``HYBRIDZOO_COMPILE_THREADS`` > 1, and not otherwise. Nothing is compiled here
+``AsyncCompileMode`` on the asked number of threads, once per key; ``compile_ahead`` (on every
+``launch.autotuned`` kernel) runs it as a key is tuned, before the first candidate is timed, when
+``HYBRIDZOO_COMPILE_THREADS`` > 1, and never for a launch whose choice is cached. Nothing is compiled here
 (the interpreter runs the kernel; the warmups are recorded).
 GPU (``-m gpu``): the linear-attention op tuned from scratch with precompiling on, against the
 float32 reference.
@@ -108,26 +109,61 @@ def test_default_threads_are_the_usable_cpus_at_most_8(monkeypatch):
         assert launch.default_compile_threads() == expected
 
 
-def test_run_precompiles_before_the_launch_only_with_threads_set(monkeypatch):
-    tuned = _tuned(ONE)
-    calls = []
+def test_a_tuning_compiles_its_candidates_ahead_once_per_key_and_a_tuned_launch_pays_nothing(monkeypatch):
+    """compile_ahead (every launch.autotuned kernel carries it): the hook runs inside the
+    autotuner's timing of candidates, so only while a key is tuned; it compiles every candidate
+    before the first is timed, with the launch's grid, arguments and constants, once per key; a
+    launch whose choice is cached never reaches it; nothing below 2 threads; the fixed-settings
+    path never tunes."""
+    tuned = _tuned()
+    events = []
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: events.append(("time", config.kwargs["BLOCK"],
+                                                                                     config.num_warps)) or [1.0] * 3)
+    launch.compile_ahead(tuned)
 
-    def recording(kernel, grid, args, consts):
-        calls.append((kernel, float(args[0].sum()), consts))  # the output is still unwritten here
+    def recording(kernel, grid, args, consts, threads):
+        events.append(("compile", kernel, grid, args[1], float(args[0].sum()), consts, threads))
+        return True
 
     monkeypatch.setattr(launch, "precompile", recording)
-    for threads, expected in ((0, 0), (1, 0), (4, 1)):
+    for threads in (0, 1, 4):
         monkeypatch.setattr(launch, "COMPILE_THREADS", threads)
-        calls.clear()
-        out = torch.zeros(100)
-        launch.run(tuned, _grid, out, 100, VALUE=3.0, fixed=dict(BLOCK=16, num_warps=4))
-        assert torch.equal(out, torch.full((100,), 3.0)) and len(calls) == expected
-        if expected:
-            assert calls[0][0] is tuned and calls[0][1] == 0.0 and calls[0][2] == {"VALUE": 3.0}
+        tuned.cache.clear()
+        events.clear()
+        for n in (100, 100, 60):  # tuned, cached, a new key
+            out = torch.zeros(n)
+            launch.run(tuned, _grid, out, n, VALUE=3.0, fixed=dict(BLOCK=16, num_warps=4))
+            assert torch.equal(out, torch.full((n,), 3.0))
+        compiles = [e for e in events if e[0] == "compile"]
+        timings = [e for e in events if e[0] == "time"]
+        assert len(timings) == 8  # 4 candidates at each of the two keys
+        if threads < 2:
+            assert not compiles
+            continue
+        assert [e[1:] for e in compiles] == [(tuned, _grid, 100, 0.0, {"VALUE": 3.0}, 4),
+                                             (tuned, _grid, 60, 0.0, {"VALUE": 3.0}, 4)]
+        assert events[0][0] == "compile" and events[5][0] == "compile"  # before each key's first timing
     monkeypatch.setattr(launch, "AUTOTUNE", False)  # fixed settings: nothing to tune, nothing to compile ahead
-    calls.clear()
+    tuned.cache.clear()
+    events.clear()
     launch.run(tuned, _grid, torch.zeros(100), 100, VALUE=3.0, fixed=dict(BLOCK=16, num_warps=4))
-    assert not calls
+    assert not events
+
+
+def test_compiling_ahead_in_a_tuning_round_keeps_the_arguments_the_round_reads(monkeypatch):
+    """Triton's Autotuner.warmup clears ``nargs``, which the tuning round in progress reads after
+    timing (its hooks): precompile puts it back. The real precompile runs (its warmups recorded)."""
+    tuned = _tuned()
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: [float(config.kwargs["BLOCK"])] * 3)
+    warmed = []
+    monkeypatch.setattr(tuned.fn, "warmup", lambda *args, **kwargs: warmed.append(kwargs["BLOCK"]))
+    launch.compile_ahead(tuned, threads=2)
+    out = torch.zeros(100)
+    launch.run(tuned, _grid, out, 100, VALUE=5.0, fixed=dict(BLOCK=16, num_warps=4))
+    assert torch.equal(out, torch.full((100,), 5.0)) and sorted(warmed) == [32, 32, 64, 64]
+    assert tuned.best_config.kwargs["BLOCK"] == 32  # the quickest stand-in timing
 
 
 @pytest.mark.gpu
