@@ -140,7 +140,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
         prec = launch.dot_precision(torch_dtype)
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
-                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, HAS_TM=False, N_INTERP=0, NT_LOOP=0, V_LOOP=False,
+                      STORE_HT=True, STORE_DG=True, STORE_DH0=True, HAS_TM=False, N_INTERP=0, NT_LOOP=0,
                       D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0)
         # the delta rule's own settings at K = V = 256 (its _Config on shape-only tensors)
         dr = delta_rule._Config(torch.empty(1, 1, 2, 256, device="meta", dtype=torch_dtype),

@@ -278,7 +278,7 @@ def _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc
 def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, H: tl.constexpr,
                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, STORE_DG: tl.constexpr,
-                    PREC: tl.constexpr, V_LOOP: tl.constexpr = False):
+                    PREC: tl.constexpr):
     """dq, dk per value head ([B, T, H, K]; per-key decay adds to the intra parts there, fp32).
 
     With STORE_DG, also the decay gradient in the chunk-local closed form (module docstring):
@@ -302,14 +302,11 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
     dA = tl.zeros([C, C], dtype=tl.float32)
     h_dh = tl.zeros([BK], dtype=tl.float32)  # Σ_v h_j ⊙ dh_j, in fp32
     state = (i_bh.to(tl.int64) * NT + i_c) * K * V + kk[:, None] * V
-    if V_LOOP:  # a loop over the value tiles (Triton may pipeline its loads)
-        for i_v in tl.range(0, (V + BV - 1) // BV):
-            dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
-                                                       dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
-    else:  # unrolled
-        for i_v in tl.static_range((V + BV - 1) // BV):
-            dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
-                                                       dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
+    # unrolled: a runtime loop (tl.range) halves the 4-warp spills at V 256 but took the same time
+    # on an H200 (docs/kernels.md)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
+                                                   dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
     out = (rows[:, None] * H + i_h) * K + kk[None, :]
     last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
     causal = c[:, None] >= c[None, :]
@@ -355,13 +352,7 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
 # dq / dk in place for per-key decays, so they are restored between trials
 _bwd_dh = launch.autotuned(_bwd_dh_kernel, key=TUNE_KEY + ["HAS_DHT", "STORE_DH0"], **STATE_TUNING)
 _bwd_dv = launch.autotuned(_bwd_dv_kernel, key=TUNE_KEY, **CHUNK_TUNING)
-_bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG", "V_LOOP"], restore=("dq", "dk"),
-                            **DQK_TUNING)
-# _bwd_dqk_kernel's sums over the value tiles: unrolled (False), or a loop whose loads Triton may
-# pipeline (True). Compiled for sm_90 the loop halves the 4-warp launch's spills at V 256
-# (docs/kernels.md), but on an H200 both took the same time; the unrolled loop stays the default.
-# Both are tested against float64.
-DQK_V_LOOP = False
+_bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restore=("dq", "dk"), **DQK_TUNING)
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A, h,
@@ -418,7 +409,7 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     used = launch.run(_bwd_dqk, lambda args: (triton.cdiv(K, args["BK"]), NT, B * H),
                       q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H,
                       float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
-                      STORE_DG=need_dlog_a, PREC=prec, V_LOOP=DQK_V_LOOP,
+                      STORE_DG=need_dlog_a, PREC=prec,
                       fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     dlog_a = None

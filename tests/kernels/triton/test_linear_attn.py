@@ -124,14 +124,9 @@ def test_own_key_heads_and_two_key_blocks(decay, dtype):
           tol=1e-5 if dtype == F32 else 1e-2)
 
 
-@pytest.mark.parametrize("v_loop", (False, True), ids=["unrolled", "loop"])
 @pytest.mark.parametrize("decay", DECAYS)
-def test_value_tiles_unrolled_or_looped(decay, v_loop, monkeypatch):
-    """V = 136: three value tiles (64, 64 and a masked 8) in the backward's q/k kernel, summed
-    by its unrolled loop or by its runtime loop (``linear_attn_bwd.DQK_V_LOOP``)."""
-    from hybridzoo.kernels.triton import linear_attn_bwd
-
-    monkeypatch.setattr(linear_attn_bwd, "DQK_V_LOOP", v_loop)
+def test_three_value_tiles(decay):
+    """V = 136: three value tiles (64, 64 and a masked 8) summed in the backward's q/k kernel."""
     check(decay, seed=8, B=1, T=33, Hk=1, H=2, K=16, V=136, chunk_size=16)
 
 
