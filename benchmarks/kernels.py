@@ -219,8 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=None, help="GPU: comma-separated substrings; run the cases whose name holds one")
     parser.add_argument("--append", action="store_true", help="GPU: keep the rows already in --out (same case and "
                         "shape rows are replaced)")
-    parser.add_argument("--no-anchor", action="store_true", help="GPU: time hybridzoo's side only (no anchor "
-                        "import, no anchor autotuning: a quick A/B of one of our kernel settings)")
+    parser.add_argument("--no-anchor", action="store_true", help="GPU: time hybridzoo's side only (the anchor "
+                        "is built but never run or tuned: a quick A/B of one of our kernel settings)")
     parser.add_argument("--runs", type=int, default=5, help="--cpu: timed runs of each side")
     parser.add_argument("--warmup", type=int, default=1, help="--cpu: untimed runs first")
     parser.add_argument("--seq-len", type=int, default=2048, help="--cpu: T")
