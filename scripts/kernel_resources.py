@@ -203,16 +203,22 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
 # several waves (selective_scan.BWD_MAXNREG). With the time-segment axis (compiled SEGMENTED, the
 # larger of its two forms) the backward holds a little more: capped 444 B (3.7.1) and 464 B (3.9),
 # the 4-wide 8-warp tile at N = 64 0 and 92 B (3.9; 32 B before).
-SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_D=4 warps=1": 560,
-                 "selective_scan _bwd_kernel BLOCK_D=4 warps=1 maxnreg=168": 480,
-                 "selective_scan _bwd_kernel BLOCK_D=8 warps=2": 576,
-                 "selective_scan _bwd_kernel BLOCK_D=16 warps=4": 224,
-                 "selective_scan _bwd_kernel BLOCK_D=32 warps=8": 256,
+SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
+                 "selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1 maxnreg=168": 480,
+                 "selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=8 warps=2": 576,
+                 "selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=16 warps=4": 224,
+                 "selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=32 warps=8": 256,
                  "selective_scan _fwd_kernel N=64 BLOCK_D=4 warps=2": 8,
-                 "selective_scan _bwd_kernel N=64 BLOCK_D=4 warps=8": 96,
                  # the 8-token backward with its inputs loaded a block ahead: 8 B with Triton 3.9,
                  # none with 3.7.1 (168 registers with both)
-                 "selective_scan _bwd_kernel BLOCK_T=8 STAGES=1 PREFETCH BLOCK_D=4 warps=1": 16}
+                 "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=4 warps=1": 16,
+                 # 16-token blocks with the inputs a block ahead (only where BWD_BLOCK_T = 16 and
+                 # BWD_PREFETCH = True are set): 12 to 56 B uncapped, 532 capped (Triton 3.7.1, 3.9)
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1": 32,
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1 maxnreg=168": 576,
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=8 warps=2": 32,
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=16 warps=4": 64,
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=32 warps=8": 48}
 
 
 def elementwise_settings():
@@ -248,32 +254,32 @@ def elementwise_settings():
     for block_n in (16, 64):  # Mamba-1's d_state 16, and 64 (mqar-mamba1-l)
         flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n)
         fixed = scan._config(training=True, block_n=block_n)
-        for kind, kernel, configs, extra in (
-                ("fwd", scan._fwd_kernel, scan.FWD_CONFIGS, dict(HAS_H0=False, STORE_CKPT=True)),
-                ("bwd", scan._bwd_kernel, scan.BWD_CONFIGS, dict(HAS_DY=True, HAS_DHT=False,
-                                                                  STAGES=fixed["bwd_stages"],
-                                                                  PREFETCH=fixed["bwd_prefetch"], NB_LOOP=0))):
-            block_t = fixed["bwd_block_t" if kind == "bwd" else "block_t"]
-            kept = scan._fitting(configs, block_t, block_n, scan.TILE_PER_THREAD[kind])  # the autotuner's
-            settings = {(fixed[f"{kind}_block_d"], fixed[f"{kind}_warps"], None)} | {
+        label = "" if block_n == 16 else f"N={block_n} "
+        # the forward at its fixed setting and the autotuner's candidates
+        ce0 = dict(flags, HAS_H0=False, STORE_CKPT=True, STAGES=fixed["fwd_stages"], NB_LOOP=0,
+                   CKPT_T=fixed["bwd_block_t"], SEGMENTED=True)  # the segmented launch: the whole kernel's code
+        kept = scan._fitting(scan.FWD_CONFIGS, fixed["block_t"], block_n, scan.TILE_PER_THREAD["fwd"])
+        settings = {(fixed["fwd_block_d"], fixed["fwd_warps"], None)} | {
+            (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
+        for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
+            ce = dict(ce0, BLOCK_T=fixed["block_t"], BLOCK_D=block_d, **({} if cap is None else {"maxnreg": cap}))
+            yield (f"selective_scan _fwd_kernel {label}BLOCK_D={block_d} warps={warps}"
+                   f"{'' if cap is None else f' maxnreg={cap}'}", scan._fwd_kernel, types(scan._fwd_kernel, ce), ce,
+                   warps, 3)
+        # the backward at its time block (BWD_BLOCK_T, 8) and at the forward's 16, each plain and with
+        # its inputs loaded a block ahead (BWD_PREFETCH; chosen by the grid): the fixed setting and
+        # the candidates the autotuner keeps (its prune); N = 64 at the default block, plain
+        for block_t in (fixed["bwd_block_t"], 16) if block_n == 16 else (fixed["bwd_block_t"],):
+            kept = scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=block_t, BLOCK_N=block_n)
+            settings = {(fixed["bwd_block_d"], fixed["bwd_warps"], None)} | {
                 (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
-            if kind == "fwd":
-                extra = dict(extra, STAGES=fixed["fwd_stages"], NB_LOOP=0, CKPT_T=fixed["bwd_block_t"])
-            extra = dict(extra, SEGMENTED=True)  # the segmented launch: the whole kernel's code
-            for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
-                ce = dict(flags, **extra, BLOCK_T=block_t, BLOCK_D=block_d,
-                          **({} if cap is None else {"maxnreg": cap}))
-                label = "" if block_n == 16 else f"N={block_n} "
-                yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}"
-                       f"{'' if cap is None else f' maxnreg={cap}'}", kernel, types(kernel, ce), ce, warps, 3)
-        # the backward in 8-token blocks (BWD_BLOCK_T = 8) at its fixed tile: plain, pipelined by
-        # Triton (BWD_STAGES = 2) and with its inputs loaded a block ahead (BWD_PREFETCH)
-        for stages, prefetch in ((1, False), (2, False), (1, True)) if block_n == 16 else ():
-            ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, BLOCK_T=8, BLOCK_D=fixed["bwd_block_d"],
-                      STAGES=stages, PREFETCH=prefetch, NB_LOOP=0)
-            yield (f"selective_scan _bwd_kernel BLOCK_T=8 STAGES={stages}{' PREFETCH' if prefetch else ''} "
-                   f"BLOCK_D={fixed['bwd_block_d']} warps={fixed['bwd_warps']}", scan._bwd_kernel,
-                   types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
+            for prefetch in (False, True) if block_n == 16 else (False,):
+                for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
+                    ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, PREFETCH=prefetch, BLOCK_T=block_t,
+                              BLOCK_D=block_d, **({} if cap is None else {"maxnreg": cap}))
+                    yield (f"selective_scan _bwd_kernel {label}BLOCK_T={block_t}{' PREFETCH' if prefetch else ''} "
+                           f"BLOCK_D={block_d} warps={warps}{'' if cap is None else f' maxnreg={cap}'}",
+                           scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, warps, 3)
         # the segments' first passes, at their fixed launches (those of the forward and backward)
         for kernel, kind, ce in (
                 (scan._fwd_carry_kernel, "fwd", dict(HAS_BIAS=True, SOFTPLUS=True, NB_LOOP=0)),

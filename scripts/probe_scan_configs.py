@@ -4,7 +4,7 @@ and warps, on CUDA: which launch settings are fastest at a shape.
     python scripts/probe_scan_configs.py --block-t 16 --shape 2,16384,2048,16
     python scripts/probe_scan_configs.py --block-t 32 --shape 8,2048,1536,16 --out probe.jsonl
     python scripts/probe_scan_configs.py --block-t 16 --module my_scan_variant --kernels bwd
-    python scripts/probe_scan_configs.py --block-t 16 --bwd-block-t 8 --bwd-stages 2 --blocks 4 --warps 1 --kernels bwd
+    python scripts/probe_scan_configs.py --block-t 16 --bwd-block-t 8 --bwd-prefetch --blocks 4 --warps 1 --kernels bwd
 
 ``--module`` names a module laid out as ``hybridzoo.kernels.triton.selective_scan`` (the default),
 so that a rewritten kernel can be timed beside the packaged one on the same inputs. ``--maxnreg
@@ -38,10 +38,9 @@ def main() -> int:
     parser.add_argument("--bwd-block-t", type=int, default=None,
                         help="the backward's time block (a power of two dividing --block-t; default --block-t): "
                              "the forward stores a state every that many tokens")
-    parser.add_argument("--bwd-stages", type=int, default=1,
-                        help="software-pipelining stages of the backward's loop over time blocks (1: none)")
     parser.add_argument("--bwd-prefetch", action="store_true",
-                        help="the backward loads each time block's inputs during the block before it")
+                        help="the backward loads each time block's inputs during the block before it "
+                             "(default: it does not; the library chooses by the grid)")
     parser.add_argument("--shape", default="2,16384,2048,16", help="B,T,Dm,N")
     parser.add_argument("--blocks", default="4,8,16,32", help="channel blocks to try")
     parser.add_argument("--warps", default="1,2,4,8", help="num_warps to try")
@@ -96,12 +95,12 @@ def main() -> int:
             per_thread = block_t * bd * triton.next_power_of_2(n) // (32 * w)
             if not 4 <= per_thread <= args.max_per_thread:
                 continue  # tiles of fewer elements than threads, or a long register spill
-            cfg = dict(base, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t, bwd_stages=args.bwd_stages,
+            cfg = dict(base, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t,
                        bwd_prefetch=args.bwd_prefetch, **{f"{kernel}_block_d": bd, f"{kernel}_warps": w})
             if kernel == "bwd":
                 cfg["bwd_maxnreg"] = cap
             row = dict(kernel=kernel, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t,
-                       bwd_stages=args.bwd_stages, bwd_prefetch=args.bwd_prefetch, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
+                       bwd_prefetch=args.bwd_prefetch, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
                        module=args.module, segments=args.segments)
             try:
                 if kernel == "fwd":

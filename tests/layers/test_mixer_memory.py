@@ -64,7 +64,7 @@ def saved_bytes_per_token(mixer) -> float:
 def kept_scan_state_bytes(mixer, backend: str) -> float:
     """Bytes per token a recomputed Mamba-1 mixer keeps so that its backward skips the scan's
     forward (``Mamba1Config.keep_scan_states``): with the Triton backend one float32 state ``[d_inner, N]`` per
-    time block of the scan's backward (8 tokens under the interpreter, BWD_BLOCK_T or 16 on a GPU); none otherwise."""
+    time block of the scan's backward (BWD_BLOCK_T tokens, at most 8 under the interpreter); none otherwise."""
     import importlib
 
     triton_scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")

@@ -19,7 +19,8 @@ Design (one program per (batch, group, block of ``BLOCK_D`` channels)):
 * backward: the blocks in reverse; each block recomputes its states from its boundary state,
   runs the adjoint ``g_t = C_t dy0_t + exp(Δ_{t+1} A) g_{t+1}`` as an associative scan of the block
   flipped in time (``g`` after the last token is the gradient of the final state) and forms all
-  gradients on chip; ``a_t h_{t-1}`` is the one-step difference ``h_t − Δ_t B_t u_t`` (as in
+  gradients on chip; on a grid short of programs each block's inputs are loaded during the block
+  before it (:data:`BWD_PREFETCH`); ``a_t h_{t-1}`` is the one-step difference ``h_t − Δ_t B_t u_t`` (as in
   mamba_ssm).
   dA, dD, d(delta_bias) are summed per program then over the batch in torch; dB and dC (sums
   over channels) are accumulated with float32 atomics, relaxed: with Triton's default
@@ -56,7 +57,7 @@ def _config(training: bool, block_n: int = 16) -> dict:
     """Fixed block sizes: tiny under the interpreter (``TRITON_INTERPRET=1``), else GPU sizes.
 
     A forward that will be differentiated stores the state entering every ``bwd_block_t`` tokens
-    (:data:`BWD_BLOCK_T`; by default its own ``block_t``), the backward's time block, which it
+    (:data:`BWD_BLOCK_T`, capped at its own ``block_t``), the backward's time block, which it
     restarts from; an inference-only forward picks its own block and stores nothing. GPU sizes:
     the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
     softplus bias: ``benchmarks/results/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
@@ -64,24 +65,26 @@ def _config(training: bool, block_n: int = 16) -> dict:
     T2048 D1536 N16 (4.02 ms). The training forward (8 channels on 1 warp) is pipelined over two
     stages (``fwd_stages``): 2.04 ms against 3.70 unpipelined at the first shape, 0.50 against
     0.57 at the second (``2026-12-03-probe-scan-variants-h200.jsonl``); the inference forward is
-    not (unmeasured). The backward's register cap comes from the grid (:func:`_capped`) unless
-    ``bwd_maxnreg`` is given (0: none). On a GPU the channel block, warps and cap are autotuned
+    not (unmeasured). The backward runs 8-token blocks (``bwd_block_t``, 2.15 against 2.76 ms at
+    the second shape); whether it loads a block ahead comes from the grid (``bwd_prefetch`` None:
+    :func:`_prefetched`), and its register cap, which binds only 16-token blocks, too
+    (:func:`_capped`) unless ``bwd_maxnreg`` is given (0: none). On a GPU the channel block, warps and cap are autotuned
     (:data:`FWD_CONFIGS`, :data:`BWD_CONFIGS`); these are the settings with autotuning off.
 
     A wider state (``block_n``, the padded N, above 16) widens every ``[BLOCK_T, BLOCK_N,
     BLOCK_D]`` tile: a setting whose tile puts more elements on a thread than
     :data:`TILE_PER_THREAD` allows is replaced by the first candidate that fits (:func:`_fitting`);
     the measured settings stand wherever they fit (N up to 16)."""
-    if BWD_BLOCK_T is not None and (BWD_BLOCK_T < 2 or BWD_BLOCK_T & (BWD_BLOCK_T - 1)):
+    if BWD_BLOCK_T < 2 or BWD_BLOCK_T & (BWD_BLOCK_T - 1):
         raise ValueError(f"selective_scan (triton): BWD_BLOCK_T must be a power of two from 2, not {BWD_BLOCK_T}")
     if launch.interpret():
-        return dict(block_t=8, bwd_block_t=min(BWD_BLOCK_T or 8, 8), fwd_block_d=8, fwd_warps=1, fwd_stages=1,
-                    bwd_block_d=8, bwd_warps=1, bwd_stages=BWD_STAGES, bwd_prefetch=BWD_PREFETCH)
+        return dict(block_t=8, bwd_block_t=min(BWD_BLOCK_T, 8), fwd_block_d=8, fwd_warps=1, fwd_stages=1,
+                    bwd_block_d=8, bwd_warps=1, bwd_prefetch=BWD_PREFETCH)
     if not training:
         cfg = dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     else:
-        cfg = dict(block_t=16, bwd_block_t=min(BWD_BLOCK_T or 16, 16), fwd_block_d=8, fwd_warps=1, fwd_stages=2,
-                   bwd_block_d=4, bwd_warps=1, bwd_stages=BWD_STAGES, bwd_prefetch=BWD_PREFETCH)
+        cfg = dict(block_t=16, bwd_block_t=min(BWD_BLOCK_T, 16), fwd_block_d=8, fwd_warps=1, fwd_stages=2,
+                   bwd_block_d=4, bwd_warps=1, bwd_prefetch=BWD_PREFETCH)
     for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
         if f"{kind}_block_d" in cfg:
             block_t = cfg["bwd_block_t" if kind == "bwd" else "block_t"]
@@ -133,35 +136,39 @@ def _fitting(configs: list, block_t: int, block_n: int, bounds: tuple[int, int])
 
 def _prune(kind: str):
     """The autotuner's ``early_config_prune`` of the ``kind`` kernel: :func:`_fitting` at the
-    launch's ``BLOCK_T`` and ``BLOCK_N``."""
+    launch's ``BLOCK_T`` and ``BLOCK_N``, less the register-capped candidate below 16-token blocks
+    (the 8-token tile holds 167 registers of the cap's 168: the same kernel tuned twice)."""
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        return _fitting(list(configs), args["BLOCK_T"], args["BLOCK_N"], TILE_PER_THREAD[kind])
+        kept = _fitting(list(configs), args["BLOCK_T"], args["BLOCK_N"], TILE_PER_THREAD[kind])
+        if args["BLOCK_T"] < 16:  # the register cap binds only the 16-token tile (255 registers uncapped)
+            kept = [c for c in kept if not c.maxnreg] or kept
+        return kept
     return prune
 
 
-# The backward's time block (a power of two dividing the training forward's 16; None: 16). The
-# forward stores a state every BWD_BLOCK_T tokens, so a shorter block costs memory (at 8:
-# [B, T / 8, Dm, N] float32, twice the checkpoints) and buys a smaller backward tile: compiled for
-# sm_90 (Triton 3.7.1), the 4-wide 1-warp backward holds 167 registers a thread at 8 tokens
-# against 255 at 16, so 12 programs share an SM instead of 8, for the same instructions per
-# element in its loop (77 against 76 warp instructions per 32 tile elements). On an H200
-# (Triton 3.6, before the atomics were relaxed) the backward with 8-token blocks took 3.24 ms
-# against 3.97 at Mamba-130m's B8 T2048 D1536 and 12.38 against 10.42 at B2 T16384 D2048
-# (benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl), where the forward ran 8-token
-# blocks too (0.69 against 0.50 ms); here the forward keeps its 16. Untimed in this form.
-BWD_BLOCK_T = None
-# The backward's loop over time blocks software-pipelined over BWD_STAGES stages (1: not; the next
-# block's loads issued during this one's work otherwise). At 16-token blocks, with 255 registers
-# a thread, 2 stages made it slower (11.22 against 10.42 ms at B2 T16384 D2048, 4.13 against 3.97
-# at B8 T2048 D1536; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl); with the
-# 8-token blocks' 167 registers it is untimed.
-BWD_STAGES = 1
-# Each backward time block's inputs loaded during the block before it in the loop (by hand, into
-# registers: u, Δ, B, C, dy, z and the saved state; at the 8-token 4-wide tile 168 registers a
-# thread, no spills, sm_90 with Triton 3.7.1), where Triton's pipeliner moves only B and C through
-# shared memory. Untimed.
-BWD_PREFETCH = False
+# The backward's time block (a power of two; at most the forward's block, 16 on a GPU and 8 under
+# the interpreter). The forward stores the state entering every BWD_BLOCK_T tokens, so a shorter
+# block costs memory ([B, T / 8, Dm, N] float32 at 8: twice the states of 16-token blocks) and buys
+# a smaller backward tile: compiled for sm_90 (Triton 3.7.1), the 4-wide 1-warp backward holds 167
+# registers a thread at 8 tokens against 255 at 16, so 12 programs share an SM instead of 8, for
+# the same instructions per element in its loop (77 against 76 warp instructions per 32 tile
+# elements). On an H200 (bf16, Triton 3.6; scripts/probe_scan_configs.py, two interleaved passes,
+# benchmarks/results/2026-12-04-probe-scan-bwd-variants-h200-8199a1d.jsonl) the backward took
+# 2.15 ms in 8-token blocks against 2.76 in 16 (2.95 capped) at Mamba-130m's B8 T2048 D1536 N16,
+# and 3.64 against 3.79 at its B2 T8192.
+BWD_BLOCK_T = 8
+# Each backward time block's inputs (u, Δ, B, C, dy, z and the saved state) loaded during the block
+# before it in the loop, into registers: at the 8-token 4-wide tile 168 registers a thread, no
+# spills (sm_90, Triton 3.7.1). It pays where the grid leaves the SMs short of programs, whose
+# latency it then hides, and costs where it fills them: 3.03 against 3.64 ms at B2 T8192 D1536
+# (768 programs, under half a wave of 12 an SM on an H200), 2.31 against 2.15 at B8 T2048 (3072
+# programs, about two waves; same file as above). None: prefetch where the grid fills less than
+# BWD_PREFETCH_WAVES waves of BWD_PROGRAMS_PER_SM programs an SM (:func:`_prefetched`); True or
+# False forces it. A backward whose loop Triton software-pipelines (tl.range num_stages 2, B and C
+# through shared memory) was slower at both shapes (3.06 and 4.07 ms) and is gone.
+BWD_PREFETCH = None
+BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
@@ -464,7 +471,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
-    STAGES: tl.constexpr, PREFETCH: tl.constexpr, NB_LOOP: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
     sequence when ``S == 1``). With ``SEGMENTED`` the adjoint entering the segment from after it
@@ -492,43 +499,24 @@ def _bwd_kernel(
     first = seg * BPS
     last = tl.minimum(NB, first + BPS) - 1
     if PREFETCH:  # each block's inputs are loaded during the block after it (the one before in this loop)
-        u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
-            last, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
-            rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
-        blk = last
-        while blk >= first:
-            u_c, raw_c, raw_next_c, Bt_c, Ct_c, dy_c, zv_c, h_start_c = u, raw, raw_next, Bt, Ct, dy, zv, h_start
-            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
-                tl.maximum(blk - 1, first), u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask,
-                n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
-            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-                blk, u_c, raw_c, raw_next_c, Bt_c, Ct_c, dy_c, zv_c, h_start_c, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
-                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
-                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
-            blk -= 1
-    elif STAGES > 1:  # software-pipelined by Triton: the next (earlier) block's loads during this one;
-        # BPS trips from the segment's last possible block: those past NB (the last segment's tail)
-        # are all masked and pass the adjoint through unchanged (a = 1, nothing added or stored)
-        for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS, num_stages=STAGES):
-            blk = first + BPS - 1 - i
-            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
-                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
-                rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
-            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-                blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
-                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
-                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
-    else:
-        blk = last
-        while blk >= first:  # this segment's time blocks in reverse
-            u, raw, raw_next, Bt, Ct, dy, zv, h_start = _bwd_loads(
-                blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
-                rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
-            carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-                blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
-                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
-                HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
-            blk -= 1
+        nxt = _bwd_loads(last, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask,
+                         dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+    blk = last
+    while blk >= first:  # this segment's time blocks in reverse
+        if PREFETCH:
+            cur = nxt
+            nxt = _bwd_loads(tl.maximum(blk - 1, first), u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr,
+                             b, g, d, dmask, n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY,
+                             BLOCK_T, BLOCK_D)
+        else:
+            cur = _bwd_loads(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask,
+                             dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+        u, raw, raw_next, Bt, Ct, dy, zv, h_start = cur
+        carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
+            blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+            b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
+        blk -= 1
     # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -586,9 +574,19 @@ def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     :data:`BWD_MAXNREG`: the measured 4-wide 1-warp tile (N up to 16) on a grid of ``programs``
     that fills at least :data:`BWD_CAP_WAVES` waves of :data:`WAVE_PROGRAMS_PER_SM` uncapped programs
     per SM."""
-    if launch.interpret() or (cfg["bwd_block_d"], cfg["bwd_warps"]) != (4, 1) or n > 16:
+    if launch.interpret() or (cfg["bwd_block_t"], cfg["bwd_block_d"], cfg["bwd_warps"]) != (16, 4, 1) or n > 16:
         return False
     return programs >= BWD_CAP_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device)
+
+
+def _prefetched(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
+    """Whether the backward at the fixed setting ``cfg`` loads each time block's inputs a block
+    ahead (:data:`BWD_PREFETCH` None): the measured 8-token 4-wide 1-warp tile (N up to 16) on a
+    grid of ``programs`` that fills less than :data:`BWD_PREFETCH_WAVES` waves of
+    :data:`BWD_PROGRAMS_PER_SM` programs per SM. Never under the interpreter."""
+    if launch.interpret() or (cfg["bwd_block_t"], cfg["bwd_block_d"], cfg["bwd_warps"]) != (8, 4, 1) or n > 16:
+        return False
+    return programs < BWD_PREFETCH_WAVES * BWD_PROGRAMS_PER_SM * launch.sm_count(device)
 
 
 # Time segments. One program per (sequence, channel block) runs the whole sequence. A grid can
@@ -618,7 +616,7 @@ def _grid_shape(batch, groups, per_group, segments=1):
 
 _fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"], prune=_prune("fwd"))
 # dB and dC start at zero and gather atomic adds: restored between autotuning trials
-_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT"], prune=_prune("bwd"),
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT", "PREFETCH"], prune=_prune("bwd"),
                        restore=("dB_ptr", "dC_ptr"))
 
 
@@ -685,6 +683,8 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         fixed["maxnreg"] = cfg["bwd_maxnreg"]
     elif "bwd_maxnreg" not in cfg and _capped(programs * segments, cfg, n, dev):
         fixed["maxnreg"] = BWD_MAXNREG
+    prefetch = cfg.get("bwd_prefetch")
+    prefetch = _prefetched(programs * segments, cfg, n, dev) if prefetch is None else bool(prefetch)
     du = launch.empty(u.shape, u.dtype, dev)
     ddelta = launch.empty(delta.shape, delta.dtype, dev)
     dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
@@ -718,9 +718,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, STAGES=cfg.get("bwd_stages", 1),
-        PREFETCH=bool(cfg.get("bwd_prefetch", False)), NB_LOOP=launch.loop_count(per),
-        fixed=fixed,
+        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, fixed=fixed,
     )
     return (
         du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

@@ -133,25 +133,22 @@ def test_time_segments_match_loop(monkeypatch, segments, groups, length):
         _check_against_loop(x, weights=weights)
 
 
-@pytest.mark.parametrize("bwd_block_t,stages,prefetch", [(2, 1, False), (4, 1, False), (4, 2, False), (4, 1, True),
-                                                         (8, 1, True)])
+@pytest.mark.parametrize("bwd_block_t,prefetch", [(2, False), (4, False), (4, True), (8, True), (8, False)])
 @pytest.mark.parametrize("groups,length,segments", [(None, 19, 1), (2, 16, 1), (1, 5, 1), (2, 41, 3)])
-def test_backward_blocks_shorter_than_the_forwards_match_loop(monkeypatch, bwd_block_t, stages, prefetch, groups,
+def test_backward_blocks_shorter_than_the_forwards_match_loop(monkeypatch, bwd_block_t, prefetch, groups,
                                                               length, segments):
     """BWD_BLOCK_T below the forward's block (8 under the interpreter): the forward stores the
     state entering every ``bwd_block_t`` tokens, the state after the token before each later
     sub-block of its own blocks, and the backward restarts from each. Against the float64 loop,
     every buffer NaN first (an unwritten saved state shows), ragged T, a T under one block, and
     time segments (41 tokens: forward segments of 8-token blocks, backward ones of shorter).
-    ``stages`` 2: the backward's loop written for software pipelining (BWD_STAGES), which the
-    interpreter runs in order; ``prefetch``: each block's inputs loaded during the block after it
-    (BWD_PREFETCH), also at the forward's own block (8)."""
+    ``prefetch``: each block's inputs loaded during the block after it (BWD_PREFETCH forced),
+    also at the forward's own block (8)."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     monkeypatch.setattr(scan, "BWD_BLOCK_T", bwd_block_t)
-    monkeypatch.setattr(scan, "BWD_STAGES", stages)
     monkeypatch.setattr(scan, "BWD_PREFETCH", prefetch)
     monkeypatch.setattr(scan, "SEGMENTS", segments)
     x = _inputs(length=length, groups=groups, seed=length + bwd_block_t)
@@ -373,18 +370,15 @@ def test_gpu_forced_segments(monkeypatch, segments):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd_block_t,stages,prefetch", [(4, 1, False), (8, 1, False), (8, 2, False), (16, 2, False),
-                                                         (8, 1, True), (16, 1, True)])
-def test_gpu_backward_blocks_shorter_than_the_forwards(monkeypatch, bwd_block_t, stages, prefetch):
-    """BWD_BLOCK_T below the forward's 16, the backward's loop pipelined (BWD_STAGES) or its
-    inputs loaded a block ahead (BWD_PREFETCH), with autotuning as a user runs it, at B2 T4099
-    D512 N16, 4 groups: forward, final state and every gradient in bf16 against the float32
-    reference."""
+@pytest.mark.parametrize("bwd_block_t,prefetch", [(4, False), (8, False), (8, True), (16, False), (16, True)])
+def test_gpu_backward_blocks_shorter_than_the_forwards(monkeypatch, bwd_block_t, prefetch):
+    """BWD_BLOCK_T at or below the forward's 16, with the backward's inputs loaded a block ahead
+    (BWD_PREFETCH forced) or not, with autotuning as a user runs it, at B2 T4099 D512 N16, 4
+    groups: forward, final state and every gradient in bf16 against the float32 reference."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     monkeypatch.setattr(scan, "BWD_BLOCK_T", bwd_block_t)
-    monkeypatch.setattr(scan, "BWD_STAGES", stages)
     monkeypatch.setattr(scan, "BWD_PREFETCH", prefetch)
     test_gpu_gradients(monkeypatch, torch.bfloat16, 1e-2, 4099, 512, 4)
 
@@ -491,8 +485,8 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)  # the GPU settings, not the interpreter's
     pairs = lambda configs: [(c.kwargs["BLOCK_D"], c.num_warps) for c in configs]  # noqa: E731
     for n in (2, 4, 8, 16):
-        assert scan._config(True, n) == dict(block_t=16, bwd_block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2,
-                                             bwd_block_d=4, bwd_warps=1, bwd_stages=1, bwd_prefetch=False)
+        assert scan._config(True, n) == dict(block_t=16, bwd_block_t=8, fwd_block_d=8, fwd_warps=1, fwd_stages=2,
+                                             bwd_block_d=4, bwd_warps=1, bwd_prefetch=None)
         assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
     for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 4), ("bwd", scan.BWD_CONFIGS, 5)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
@@ -515,34 +509,55 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
             assert all(x <= scan.TILE_PER_THREAD[kind][1] for x in loads) or len(kept) == 1, (n, kind, loads)
     assert scan._per_thread(16, 4, 64, 1) == 128  # the N = 16 backward setting at N = 64
     assert pairs(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=64)) == [(2, 8), (4, 8)]
+    # 8-token blocks: the capped candidate is the uncapped one (167 registers), tuned once
+    at8 = scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=8, BLOCK_N=16)
+    assert pairs(at8) == [(4, 1), (8, 2), (16, 4), (32, 8)] and not any(c.maxnreg for c in at8)
+    assert len(scan._prune("bwd")(scan.BWD_CONFIGS, {}, BLOCK_T=16, BLOCK_N=16)) == 5
 
 
-def test_backward_register_cap_follows_the_grid(monkeypatch):
-    """With autotuning off, the backward's 4-wide 1-warp setting runs capped at BWD_MAXNREG
-    registers where its grid fills at least BWD_CAP_WAVES waves of 8 programs per SM (B8 T2048
-    D1536 on an H200's 132 SMs: 3072 programs), uncapped below (B2 D2048: 1024), never for a wider
-    state or another setting, and as given where the settings name a cap (0: none). The launch is
-    captured, not run (no GPU needed)."""
+def test_backward_register_cap_and_prefetch_follow_the_grid(monkeypatch):
+    """With autotuning off, the backward's settings follow its grid (on an H200's 132 SMs; the
+    launch is captured, not run: no GPU needed). In 8-token blocks (the default) it loads each
+    block's inputs a block ahead where the grid fills less than BWD_PREFETCH_WAVES waves of 12
+    programs per SM (B2 D1536: 768 programs, B2 D2048: 1024), not where it fills more (B8 D1536:
+    3072), never for a wider state or another tile, and as BWD_PREFETCH forces it; no register cap.
+    In 16-token blocks (BWD_BLOCK_T = 16) the 4-wide 1-warp tile runs capped at BWD_MAXNREG
+    registers where the grid fills at least BWD_CAP_WAVES waves of 8 programs per SM, uncapped
+    below, never for a wider state or another setting, and as given where the settings name a cap
+    (0: none); it never prefetches unless forced."""
     import importlib
 
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     monkeypatch.setattr(scan.launch, "interpret", lambda: False)
     monkeypatch.setattr(scan.launch, "sm_count", lambda device: 132)
     launches = []
-    monkeypatch.setattr(scan.launch, "run", lambda kernel, grid, *args, fixed, **consts: launches.append(fixed))
+    monkeypatch.setattr(scan.launch, "run",
+                        lambda kernel, grid, *args, fixed, **consts: launches.append(dict(fixed, **consts)))
 
-    def cap(batch, dm, n=16, cfg=None):
+    def launch(batch, dm, n=16, cfg=None):
         if cfg is not None:
             monkeypatch.setattr(scan, "_config", lambda training, block_n=16: cfg)
+        bt = scan._config(True, n)["bwd_block_t"]
         u = torch.zeros(batch, 16, dm)
         A, B = torch.zeros(dm, n), torch.zeros(batch, 16, 1, n)
-        ckpt = torch.zeros(batch, 1, dm, n)
+        ckpt = torch.zeros(batch, 16 // bt, dm, n)
         scan._backward(u, u, A, B, B, None, None, None, True, ckpt, u, None, None)
-        return launches[-1].get("maxnreg")
+        return launches[-1].get("maxnreg"), launches[-1]["PREFETCH"], launches[-1]["BLOCK_T"]
 
-    assert cap(8, 1536) == scan.BWD_MAXNREG and cap(2, 2048) is None
-    assert cap(8, 1536, n=64) is None  # another tile at N = 64
+    assert launch(2, 1536) == (None, True, 8) and launch(2, 2048) == (None, True, 8)
+    assert launch(8, 1536) == (None, False, 8)
+    assert launch(2, 1536, n=64) == (None, False, 8)  # another tile at N = 64
+    monkeypatch.setattr(scan, "BWD_PREFETCH", True)
+    assert launch(8, 1536) == (None, True, 8)
+    monkeypatch.setattr(scan, "BWD_PREFETCH", False)
+    assert launch(2, 1536) == (None, False, 8)
+    monkeypatch.setattr(scan, "BWD_PREFETCH", None)
+    monkeypatch.setattr(scan, "BWD_BLOCK_T", 16)
+    assert launch(8, 1536) == (scan.BWD_MAXNREG, False, 16) and launch(2, 2048) == (None, False, 16)
+    assert launch(8, 1536, n=64)[0] is None
     base = dict(block_t=16, bwd_block_t=16, fwd_block_d=8, fwd_warps=1, fwd_stages=2, bwd_block_d=4, bwd_warps=1,
-                bwd_stages=1)
-    assert cap(8, 1536, cfg=dict(base, bwd_block_d=8, bwd_warps=2)) is None
-    assert cap(8, 1536, cfg=dict(base, bwd_maxnreg=0)) is None and cap(2, 2048, cfg=dict(base, bwd_maxnreg=168)) == 168
+                bwd_prefetch=None)
+    assert launch(8, 1536, cfg=dict(base, bwd_block_d=8, bwd_warps=2))[0] is None
+    assert launch(8, 1536, cfg=dict(base, bwd_maxnreg=0))[0] is None
+    assert launch(2, 2048, cfg=dict(base, bwd_maxnreg=168))[0] == 168
+    assert launch(2, 1536, cfg=dict(base, bwd_block_t=8, bwd_block_d=8, bwd_warps=2))[1] is False
