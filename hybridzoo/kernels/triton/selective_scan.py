@@ -168,6 +168,9 @@ BWD_BLOCK_T = 8
 # False forces it. A backward whose loop Triton software-pipelines (tl.range num_stages 2, B and C
 # through shared memory) was slower at both shapes (3.06 and 4.07 ms) and is gone.
 BWD_PREFETCH = None
+# One wave: 12 one-warp programs of 167 registers an SM (Triton 3.7.1; Triton 3.6, which the H200
+# figures above ran on, gives the tile 208 registers, 9 an SM: the two measured grids lie on the
+# same sides of either wave).
 BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
