@@ -13,7 +13,6 @@ then its peer's first step is no user's cold start (``benchmarks.models`` record
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 
@@ -34,11 +33,7 @@ def every_autotuner_precompiled(threads: int) -> Iterator[None]:
     original = Autotuner._bench
 
     def _bench(self, *args, config, **meta):
-        try:
-            launch.compile_candidates_once(self, args, meta, threads)
-        except Exception as error:  # noqa: BLE001 - compiling ahead only saves time
-            warnings.warn(f"compiling {self.base_fn.__name__}'s candidates ahead failed ({error!r}); "
-                          "its autotuner compiles them", stacklevel=2)
+        launch.compile_candidates_once(self, args, meta, threads)  # warns and steps aside on failure
         return original(self, *args, config=config, **meta)
 
     Autotuner._bench = _bench

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -279,17 +280,24 @@ def compile_candidates_once(kernel, args: tuple, meta: dict, threads: int | None
     """Called as the autotuner ``kernel`` times a candidate (``Autotuner._bench``'s ``args`` and
     ``meta``: the launch's constants, ``grid`` and ``warmup``): the first time at a tuning key,
     :func:`precompile` every candidate on ``threads`` threads (default :data:`COMPILE_THREADS`);
-    later candidates of that key find them compiled. Returns whether it compiled."""
+    later candidates of that key find them compiled. Returns whether it compiled. Compiling ahead
+    only saves time: where it fails, it warns and the autotuner compiles each candidate itself."""
     threads = COMPILE_THREADS if threads is None else threads
     if threads < 2 or len(kernel.configs) < 2:
         return False
-    consts = {name: value for name, value in meta.items() if name not in ("grid", "warmup")}
-    key = tuning_key(kernel, args, consts)
-    done = kernel.__dict__.setdefault("_hybridzoo_compiled_keys", set())
-    if key in done:
+    try:
+        consts = {name: value for name, value in meta.items() if name not in ("grid", "warmup")}
+        key = tuning_key(kernel, args, consts)
+        done = kernel.__dict__.setdefault("_hybridzoo_compiled_keys", set())
+        if key in done:
+            return False
+        done.add(key)
+        return precompile(kernel, meta["grid"], args, consts, threads)
+    except Exception as error:  # noqa: BLE001
+        name = getattr(getattr(kernel, "base_fn", None), "__name__", repr(kernel))
+        warnings.warn(f"compiling {name}'s candidates ahead failed ({error!r}); its autotuner compiles them",
+                      stacklevel=2)
         return False
-    done.add(key)
-    return precompile(kernel, meta["grid"], args, consts, threads)
 
 
 def compile_ahead(kernel, threads: int | None = None):

@@ -166,6 +166,24 @@ def test_compiling_ahead_in_a_tuning_round_keeps_the_arguments_the_round_reads(m
     assert tuned.best_config.kwargs["BLOCK"] == 32  # the quickest stand-in timing
 
 
+def test_a_failed_compile_ahead_warns_and_the_tuning_goes_on(monkeypatch):
+    """Compiling ahead only saves time: where it raises, compile_candidates_once warns and the
+    autotuner tunes and launches as it would have (its own compiles)."""
+    tuned = _tuned()
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: [float(config.kwargs["BLOCK"])] * 3)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(launch, "precompile", broken)
+    launch.compile_ahead(tuned, threads=2)
+    out = torch.zeros(100)
+    with pytest.warns(UserWarning, match="_fill_kernel.*no compiler"):
+        launch.run(tuned, _grid, out, 100, VALUE=7.0, fixed=dict(BLOCK=16, num_warps=4))
+    assert torch.equal(out, torch.full((100,), 7.0)) and tuned.best_config.kwargs["BLOCK"] == 32
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("decay", ("scalar", "per_key"))
 def test_gpu_op_tuned_with_precompiled_candidates_matches_reference(decay, monkeypatch):
