@@ -572,24 +572,31 @@ def _bwd_carry_kernel(
     tl.store(sdtn_ptr + (b * S + seg) * DM + d, sdtn, mask=dmask)
 
 
+def _wave(cfg: dict, n: int, device: torch.device, block_t: int, per_sm: int) -> int | None:
+    """Programs in one wave of ``per_sm`` programs per SM of ``device``, where the backward at the
+    fixed setting ``cfg`` is the measured 4-wide 1-warp tile (N up to 16) in ``block_t``-token
+    blocks; None elsewhere and under the interpreter (the grid rules below then do not apply)."""
+    if launch.interpret() or (cfg["bwd_block_t"], cfg["bwd_block_d"], cfg["bwd_warps"]) != (block_t, 4, 1) or n > 16:
+        return None
+    return per_sm * launch.sm_count(device)
+
+
 def _capped(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     """Whether the backward at the fixed setting ``cfg`` runs with its registers capped at
-    :data:`BWD_MAXNREG`: the measured 4-wide 1-warp tile (N up to 16) on a grid of ``programs``
-    that fills at least :data:`BWD_CAP_WAVES` waves of :data:`WAVE_PROGRAMS_PER_SM` uncapped programs
-    per SM."""
-    if launch.interpret() or (cfg["bwd_block_t"], cfg["bwd_block_d"], cfg["bwd_warps"]) != (16, 4, 1) or n > 16:
-        return False
-    return programs >= BWD_CAP_WAVES * WAVE_PROGRAMS_PER_SM * launch.sm_count(device)
+    :data:`BWD_MAXNREG`: the measured tile in 16-token blocks (:func:`_wave`) on a grid of
+    ``programs`` that fills at least :data:`BWD_CAP_WAVES` waves of :data:`WAVE_PROGRAMS_PER_SM`
+    uncapped programs per SM."""
+    wave = _wave(cfg, n, device, 16, WAVE_PROGRAMS_PER_SM)
+    return wave is not None and programs >= BWD_CAP_WAVES * wave
 
 
 def _prefetched(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
     """Whether the backward at the fixed setting ``cfg`` loads each time block's inputs a block
-    ahead (:data:`BWD_PREFETCH` None): the measured 8-token 4-wide 1-warp tile (N up to 16) on a
+    ahead (:data:`BWD_PREFETCH` None): the measured tile in 8-token blocks (:func:`_wave`) on a
     grid of ``programs`` that fills less than :data:`BWD_PREFETCH_WAVES` waves of
-    :data:`BWD_PROGRAMS_PER_SM` programs per SM. Never under the interpreter."""
-    if launch.interpret() or (cfg["bwd_block_t"], cfg["bwd_block_d"], cfg["bwd_warps"]) != (8, 4, 1) or n > 16:
-        return False
-    return programs < BWD_PREFETCH_WAVES * BWD_PROGRAMS_PER_SM * launch.sm_count(device)
+    :data:`BWD_PROGRAMS_PER_SM` programs per SM."""
+    wave = _wave(cfg, n, device, 8, BWD_PROGRAMS_PER_SM)
+    return wave is not None and programs < BWD_PREFETCH_WAVES * wave
 
 
 # Time segments. One program per (sequence, channel block) runs the whole sequence. A grid can
