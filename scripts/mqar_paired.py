@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mqar_takeoff import load_runs  # noqa: E402
+from mqar_takeoff import load_runs, matches  # noqa: E402
 
 
 def sign_test(higher: int, lower: int) -> float:
@@ -51,8 +51,7 @@ def pairs_of(runs: list[dict[str, Any]], recipes: list[str] | None = None, setti
     cells: dict[tuple, dict[str, list[float]]] = {}
     seen = set()
     for r in runs:
-        if (recipes and r["recipe"] not in recipes) or (setting and r["setting"] != setting) \
-                or (lr is not None and not math.isclose(r["lr"], lr)):
+        if not matches(r, recipes, lr, setting):
             continue
         same = (r.get("id"), r.get("commit"), r["accuracy"], r.get("steps"))
         if r.get("id") is not None and same in seen:

@@ -56,14 +56,21 @@ def fisher_exact(a: int, n1: int, b: int, n2: int) -> float:
     return min(1.0, sum(p for p in map(prob, xs) if p <= observed * (1 + 1e-9)))
 
 
+def matches(run: dict[str, Any], recipes: list[str] | None = None, lr: float | None = None,
+            setting: str | None = None) -> bool:
+    """Whether ``run`` is of one of ``recipes``, at learning rate ``lr`` and in ``setting`` (each
+    None: any)."""
+    return (not recipes or run["recipe"] in recipes) and (lr is None or math.isclose(run["lr"], lr)) \
+        and (not setting or run["setting"] == setting)
+
+
 def groups_of(runs: list[dict[str, Any]], recipe: str | None = None, lr: float | None = None,
               setting: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """Runs grouped by ``impl`` + variant tag (``hybridzoo``, ``hybridzoo+ssd-kernel``,
-    ``reference-fp32``, ...), filtered by recipe, learning rate and setting."""
+    ``reference-fp32``, ...), filtered by recipe, learning rate and setting (:func:`matches`)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
-        if (recipe and r["recipe"] != recipe) or (lr is not None and not math.isclose(r["lr"], lr)) \
-                or (setting and r["setting"] != setting):
+        if not matches(r, [recipe] if recipe else None, lr, setting):
             continue
         out.setdefault(r["impl"] + (r.get("variant") or ""), []).append(r)
     return out
