@@ -94,7 +94,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 CHUNKED = ("mamba2", "gla", "retnet", "gdn")
 WEIGHT_DECAY, BETAS, MIN_LR_RATIO, CLIP = 0.1, (0.9, 0.95), 0.1, 1.0
 # Runs that share a process (--streams) hold this while they build a model, step eagerly (Triton
-# compiles and tunes there), capture their step, or evaluate; only graph replays run side by side.
+# compiles and tunes there; a run whose graph check failed steps eagerly throughout), capture their
+# step, or evaluate; only graph replays run side by side.
 _LANE_LOCK = threading.RLock()
 
 
@@ -263,9 +264,13 @@ class RunLoop:
         self._order_on_device = None
 
     @property
-    def warming_up(self) -> bool:
-        """Whether the next step runs eagerly before the capture (Triton compiles and tunes there)."""
-        return self.train_step.captured is None and self.train_step.fallback is None
+    def eager(self) -> bool:
+        """Whether the next step runs eagerly: before the capture (Triton compiles and tunes there),
+        on the CPU, or after the graph's check failed and the run fell back. An eager step calls
+        every Triton autotuner, and Triton's ``Autotuner.run`` is not thread-safe (it holds the
+        launch's arguments in ``self.nargs`` and clears them on return), so runs sharing a process
+        take turns at eager steps."""
+        return self.train_step.captured is None
 
     def train_step_once(self):
         """One optimizer step on the next batch of the epoch's order (a new order, drawn on the
@@ -327,7 +332,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.set_rng_state(saved["cuda_rng"])
             row["resumed_at"] = run.step
     while run.step < spec["max_steps"]:
-        if run.warming_up:  # warm-up (Triton compiles and tunes there) and capture
+        if run.eager:  # warm-up, capture, or a run that fell back from the graph: see RunLoop.eager
             with lock:
                 loss = run.train_step_once()
         else:

@@ -688,3 +688,28 @@ def test_a_new_invocation_into_a_results_file_without_its_run_folder_keeps_its_r
     ids = [r["id"] for r in results["runs"]]
     assert sorted(ids) == sorted([r["id"] for r in old] + ["cpu-smoke-mqar-attn-s-hybridzoo-lr0.003-s0"])
     assert {"gpu", "cpu-smoke"} <= set(results["settings"])
+
+
+def test_a_run_that_fell_back_from_the_graph_takes_turns_at_its_eager_steps(tmp_path, monkeypatch):
+    """Runs sharing a process (``--streams``) run only graph replays side by side. A run whose graph
+    check failed steps eagerly from then on, and an eager step calls Triton's autotuners, whose
+    ``run`` is not thread-safe: its steps must hold the lane lock as warm-up steps do (they ran
+    unlocked, and fla's autotuner failed in the runs tuning beside them)."""
+    args = bench.parse_args(["--setting", "cpu-smoke", "--kinds", "gla", "--sizes", "s", "--impls", "hybridzoo",
+                             "--seeds", "0", "--lrs", "1e-2", "--out-dir", str(tmp_path)])
+    jobs, _ = bench.plan(args, dict(bench.SETTINGS["cpu-smoke"]), "cpu", tmp_path)
+    held = []
+
+    class FellBack(bench.RunLoop):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.train_step.fallback = "check failed (test)"
+
+        def train_step_once(self):
+            held.append(bench._LANE_LOCK._is_owned())
+            return super().train_step_once()
+
+    monkeypatch.setattr(bench, "RunLoop", FellBack)
+    row = bench.train_run(jobs[0])
+    assert row["status"] == "ok" and len(held) == row["steps"] == bench.SETTINGS["cpu-smoke"]["max_steps"]
+    assert all(held)
