@@ -608,7 +608,9 @@ def _prefetched(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
 # wave of programs, but measured on an H200 it did not pay there: Mamba-130m's backward at B2 T8192
 # (768 programs, under one wave of 8 per SM) took 4.75 ms in 3 segments against 4.08 ms whole
 # (bf16, Triton 3.6, scripts/probe_scan_configs.py --segments;
-# benchmarks/results/2026-12-03-probe-scan-segments-h200-65b7fee.jsonl). So every grid runs whole
+# benchmarks/results/2026-12-03-probe-scan-segments-h200-65b7fee.jsonl), and in 8-token blocks
+# loaded a block ahead 3.57 ms in 2 segments and 3.16 ms in 4 against 3.03 ms whole
+# (benchmarks/results/2026-12-04-probe-scan-bwd-segments-h200-ad41f79.jsonl). So every grid runs whole
 # unless SEGMENTS asks for more (tests force 2 to 5 against the float64 loop; probes time them).
 SEGMENTS = 1
 
