@@ -86,3 +86,33 @@ def test_nothing_to_pair_fails_clearly(tmp_path, capsys):
         paired.main([str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):
         paired.main([str(tmp_path / "results.json"), "--tol", "-1"])
+
+
+def test_take_off_pairs_and_a_pooled_row(tmp_path, capsys):
+    """``--take-off``: the pairs where only one side reaches the threshold, McNemar's exact p on
+    them (the sign test of those counts: 1 against 3 is 0.625, worked by hand as
+    2 * (1 + 4) / 16); ``--pool``: a row over every pair of the rows shown."""
+    runs = [_run("hybridzoo", 0, 0.50), _run("reference", 0, 0.01),          # only hybridzoo takes off
+            _run("hybridzoo", 1, 0.01), _run("reference", 1, 0.40),          # only the reference
+            _run("hybridzoo", 2, 0.30), _run("reference", 2, 0.60),          # both: concordant
+            _run("hybridzoo", 3, 0.02), _run("reference", 3, 0.01),          # neither
+            _run("hybridzoo", 0, 0.01, variant="-fp32"), _run("reference", 0, 0.20, variant="-fp32"),
+            _run("hybridzoo", 1, 0.07, variant="-fp32"), _run("reference", 1, 0.06, variant="-fp32"),  # at T: takes off
+            _run("hybridzoo", 0, 0.01, recipe="mqar-gla-l"), _run("reference", 0, 0.90, recipe="mqar-gla-l")]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs}))
+    pairs, _ = paired.pairs_of(paired.load_runs([tmp_path / "results.json"]))
+    rows = {(r["recipe"], r["variant"]): r for r in paired.summary_rows(pairs, 0.001, take_off=0.07, pool=True)}
+    assert (rows[("mqar-gla-s", "")]["only_hybridzoo"], rows[("mqar-gla-s", "")]["only_reference"]) == (1, 1)
+    assert (rows[("mqar-gla-s", "-fp32")]["only_hybridzoo"], rows[("mqar-gla-s", "-fp32")]["only_reference"]) == (1, 1)
+    pooled = rows[("all", "")]
+    assert (pooled["pairs"], pooled["only_hybridzoo"], pooled["only_reference"]) == (7, 2, 3)
+    assert pooled["mcnemar_p"] == pytest.approx(1.0)
+    assert paired.sign_test(1, 3) == pytest.approx(2 * (1 + 4) / 16)
+    assert "take_off" not in paired.summary_rows(pairs, 0.001)[0]  # without --take-off: no such columns
+    assert paired.main([str(tmp_path / "results.json"), "--recipe", "mqar-gla-l,mqar-gla-s", "--take-off", "0.07",
+                        "--pool"]) == 0
+    text = capsys.readouterr().out
+    assert "| only hybridzoo takes off (>= 0.07) | only the reference | McNemar p |" in text
+    assert "| all |  | 7 |" in text and text.strip().splitlines()[-1].endswith("| 2 | 3 | 1.000 |")
+    with pytest.raises(SystemExit):
+        paired.main([str(tmp_path / "results.json"), "--take-off", "0"])
