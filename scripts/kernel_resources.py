@@ -15,6 +15,15 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
                                                   # (beyond the allowance named in SPILL_ALLOWED)
     python scripts/kernel_resources.py --fingerprint BEFORE.json   # a hash of each kernel's PTX
     python scripts/kernel_resources.py --fingerprint AFTER.json --compare BEFORE.json
+    python scripts/kernel_resources.py --loops "selective_scan _bwd"   # SASS of each matching
+                                                  # setting's main loop, by instruction class
+
+``--loops PATTERN`` disassembles (the wheel's ``nvdisasm``) every setting of the table, ``--all``
+and ``--spills`` whose name contains PATTERN and counts the instructions of its longest loop (the
+time-block loop of the scans) by class: FP32 arithmetic, shuffles, special functions (``MUFU``:
+exp, reciprocal), global and shared memory, and the rest. Where a kernel is bound by issue
+latency rather than bandwidth, as the selective scan's backward is, these counts per tile element
+are what a change has to lower.
 
 ``--fingerprint`` covers the kernels of the table and of ``--all`` and ``--spills``; line and debug
 information is left out of the hash, so a refactor whose kernels all keep their PTX (argument
@@ -213,10 +222,11 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  # none with 3.7.1 (168 registers with both)
                  "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=4 warps=1": 16,
                  # 16-token blocks with the inputs a block ahead (only where BWD_BLOCK_T = 16 and
-                 # BWD_PREFETCH = True are set): 12 to 56 B uncapped, 532 capped (Triton 3.7.1, 3.9)
-                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1": 32,
+                 # BWD_PREFETCH = True are set): 8 to 68 B uncapped, 516 and 488 B capped (Triton
+                 # 3.7.1, 3.9), with the step sizes read as float32 (selective_scan.BWD_DT_GIVEN)
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1": 48,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1 maxnreg=168": 576,
-                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=8 warps=2": 32,
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=8 warps=2": 72,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=16 warps=4": 64,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=32 warps=8": 48}
 
@@ -257,7 +267,7 @@ def elementwise_settings():
         label = "" if block_n == 16 else f"N={block_n} "
         # the forward at its fixed setting and the autotuner's candidates
         ce0 = dict(flags, HAS_H0=False, STORE_CKPT=True, STAGES=fixed["fwd_stages"], NB_LOOP=0,
-                   CKPT_T=fixed["bwd_block_t"], SEGMENTED=True)  # the segmented launch: the whole kernel's code
+                   CKPT_T=fixed["bwd_block_t"], SEGMENTED=True, DT_GIVEN=scan.FWD_DT_GIVEN)  # the segmented launch: the whole kernel's code
         kept = scan._fitting(scan.FWD_CONFIGS, fixed["block_t"], block_n, scan.TILE_PER_THREAD["fwd"])
         settings = {(fixed["fwd_block_d"], fixed["fwd_warps"], None)} | {
             (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
@@ -275,7 +285,8 @@ def elementwise_settings():
                 (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
             for prefetch in (False, True) if block_n == 16 else (False,):
                 for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
-                    ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, PREFETCH=prefetch, BLOCK_T=block_t,
+                    ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, PREFETCH=prefetch,
+                              DT_GIVEN=scan.BWD_DT_GIVEN, BLOCK_T=block_t,
                               BLOCK_D=block_d, **({} if cap is None else {"maxnreg": cap}))
                     yield (f"selective_scan _bwd_kernel {label}BLOCK_T={block_t}{' PREFETCH' if prefetch else ''} "
                            f"BLOCK_D={block_d} warps={warps}{'' if cap is None else f' maxnreg={cap}'}",
@@ -384,6 +395,65 @@ def ptx_fingerprint(kernel, types: dict[str, str], constexprs: dict, num_warps: 
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+# SASS opcodes by class (the opcode's first dot-separated part)
+SASS_CLASSES = {"fp32": {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK"}, "shuffle": {"SHFL"},
+                "special": {"MUFU"}, "global": {"LDG", "STG", "RED", "REDG", "ATOMG", "ATOM", "LD", "ST"},
+                "shared": {"LDS", "STS", "LDSM", "STSM", "ATOMS"}}
+
+
+def sass_loop(cubin: bytes) -> dict:
+    """The longest loop of ``cubin``'s code (the span from a backward branch's target to the
+    branch): ``{"instructions": whole kernel, "loop": its length, "classes": {class: count}, "opcodes":
+    {opcode: count}}`` by :data:`SASS_CLASSES` (``other`` for the rest); ``loop`` 0 without a loop."""
+    import collections
+
+    nvdisasm = PTXAS.parent / "nvdisasm"
+    if not nvdisasm.exists():
+        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    labels, pending, code = {}, [], []
+    for line in sass.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+            continue
+        if m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)", line):
+            address = int(m.group(1), 16)
+            labels.update((label, address) for label in pending)
+            pending = []
+            code.append((address, m.group(2), line))
+    loops = [(labels[t.group(1)], address) for address, op, line in code if op == "BRA"
+             if (t := re.search(r"(\.L_x_\d+)", line)) and labels.get(t.group(1), address + 1) <= address]
+    start, end = max(loops, key=lambda span: span[1] - span[0]) if loops else (1, 0)
+    ops = collections.Counter(op for address, op, _ in code if start <= address <= end)
+    classes = collections.Counter()
+    for op, n in ops.items():
+        classes[next((c for c, members in SASS_CLASSES.items() if op in members), "other")] += n
+    return {"instructions": len(code), "loop": sum(ops.values()), "classes": dict(classes), "opcodes": dict(ops)}
+
+
+def loop_counts(pattern: str) -> int:
+    """Print :func:`sass_loop` for every kernel setting whose name contains ``pattern``."""
+    shown = 0
+    for group in (cases(), all_kernels(), elementwise_settings()):
+        for name, kernel, types, constexprs, warps, stages in group:
+            if pattern not in name:
+                continue
+            r = sass_loop(compile_sm90(kernel, types, constexprs, warps or 4, stages or 3).asm["cubin"])
+            top = ", ".join(f"{op} {n}" for op, n in sorted(r["opcodes"].items(), key=lambda x: -x[1])[:6])
+            print(f"{name}: {r['instructions']} instructions, loop {r['loop']}: "
+                  + " ".join(f"{c} {r['classes'].get(c, 0)}" for c in (*SASS_CLASSES, "other")) + f" ({top})",
+                  flush=True)
+            shown += 1
+    if not shown:
+        print(f"kernel_resources: no kernel setting's name contains {pattern!r}", file=sys.stderr)
+    return 0 if shown else 1
+
+
 def fingerprints(path: str, compare: str | None) -> int:
     """Write ``{kernel setting: PTX hash}`` to ``path``; with ``compare``, list the settings whose
     hash differs from that file's (or is new / gone) and return 1 if any does."""
@@ -407,6 +477,8 @@ def fingerprints(path: str, compare: str | None) -> int:
 
 def main() -> int:
     args = sys.argv[1:]
+    if "--loops" in args:
+        return loop_counts(args[args.index("--loops") + 1] if args.index("--loops") + 1 < len(args) else "")
     if "--fingerprint" in args:
         compare = args[args.index("--compare") + 1] if "--compare" in args else None
         return fingerprints(args[args.index("--fingerprint") + 1], compare)

@@ -153,3 +153,31 @@ print(len(atomics), sum('relaxed' in line for line in atomics))
     assert result.returncode == 0, result.stdout + result.stderr
     total, relaxed = map(int, result.stdout.split()[-2:])
     assert total > 0 and relaxed == total, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (PTXAS.parent / "nvdisasm").exists(), reason="this Triton wheel ships no nvdisasm")
+def test_loop_counts_read_the_selective_scan_backwards_time_block_loop():
+    """``kernel_resources.py --loops`` finds the backward's time-block loop in its sm_90 SASS and
+    counts it by class: every class adds up to the loop, and the loop holds at least the two
+    exponentials per tile element that the math needs (an 8 x 16 x 4 tile on 32 lanes: 32 MUFU)."""
+    script = """
+import sys, json
+sys.path.insert(0, 'scripts')
+import kernel_resources as kr
+name, kernel, types, constexprs, warps, stages = next(
+    s for s in kr.elementwise_settings() if s[0] == 'selective_scan _bwd_kernel BLOCK_T=8 BLOCK_D=4 warps=1')
+print(json.dumps(kr.sass_loop(kr.compile_sm90(kernel, types, constexprs, warps, stages).asm['cubin'])))
+"""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / "hybridzoo-sm90-triton-cache")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0 < counts["loop"] < counts["instructions"]
+    assert sum(counts["classes"].values()) == counts["loop"] == sum(counts["opcodes"].values())
+    assert counts["classes"]["special"] >= 32 and counts["classes"]["shuffle"] > 0 and counts["classes"]["fp32"] > 0
+    assert counts["opcodes"].get("BRA", 0) >= 1
