@@ -10,7 +10,9 @@ and warps, on CUDA: which launch settings are fastest at a shape.
 so that a rewritten kernel can be timed beside the packaged one on the same inputs. ``--maxnreg
 0,168`` also times each backward setting with its registers capped (0: no cap; each row's
 ``maxnreg``). ``--segments`` (1 by default: each program runs a whole sequence) sets the time
-segments of the module's grids.
+segments of the module's grids. ``--fwd-dt-given`` / ``--bwd-dt-given`` 0 or 1 set whether the
+training forward and the backward read the step sizes from a buffer computed before them (the
+module's ``FWD_DT_GIVEN``, ``BWD_DT_GIVEN``); the backward's time includes that kernel.
 
 bf16 inputs as the Mamba-1 mixer passes them (z, D, delta_bias, softplus), float32 A. Autotuning
 is off; each setting is forced through ``selective_scan._config``. Prints one JSON line per
@@ -52,6 +54,11 @@ def main() -> int:
                         help="the module whose selective_scan and _config are timed")
     parser.add_argument("--segments", type=int, default=1,
                         help="time segments: 1 (the grid as is, the default) or more")
+    parser.add_argument("--fwd-dt-given", type=int, choices=(0, 1), default=None,
+                        help="1: the training forward reads the step sizes from a buffer computed before it; "
+                             "0: it computes them (default: the module's FWD_DT_GIVEN)")
+    parser.add_argument("--bwd-dt-given", type=int, choices=(0, 1), default=None,
+                        help="the same for the backward (default: the module's BWD_DT_GIVEN)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import triton
@@ -65,6 +72,10 @@ def main() -> int:
     launch.AUTOTUNE = False
     if hasattr(module, "SEGMENTS"):
         module.SEGMENTS = args.segments
+    for kind in ("fwd", "bwd"):
+        flag = getattr(args, f"{kind}_dt_given")
+        if flag is not None:
+            setattr(module, f"{kind.upper()}_DT_GIVEN", bool(flag))
     batch, length, dm, n = (int(v) for v in args.shape.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -101,7 +112,8 @@ def main() -> int:
                 cfg["bwd_maxnreg"] = cap
             row = dict(kernel=kernel, block_t=args.block_t, bwd_block_t=args.bwd_block_t or args.block_t,
                        bwd_prefetch=args.bwd_prefetch, block_d=bd, warps=w, maxnreg=cap, shape=args.shape,
-                       module=args.module, segments=args.segments)
+                       module=args.module, segments=args.segments,
+                       fwd_dt_given=getattr(module, "FWD_DT_GIVEN", None), bwd_dt_given=getattr(module, "BWD_DT_GIVEN", None))
             try:
                 if kernel == "fwd":
                     ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=40)

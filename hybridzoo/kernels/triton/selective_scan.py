@@ -173,6 +173,23 @@ BWD_PREFETCH = None
 # same sides of either wave).
 BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 
+# The step sizes Δ = softplus(delta + delta_bias). The backward reads each token's twice (its own
+# block's and, for the adjoint, one token on). With BWD_DT_GIVEN (FWD_DT_GIVEN: the training
+# forward) a small kernel (_dt_kernel) computes Δ once, float32, into a [B, T, Dm] buffer that lives
+# through that kernel, and its loop loads Δ instead of computing it. Compiled for sm_90 with Triton
+# 3.6, the loops computed the softplus (an exponential, an accurate logarithm and a division) for
+# every state lane of the tile rather than once per (token, channel): the backward's ran 2,006
+# instructions an 8-token block against 1,246 with Triton 3.7.1 (scripts/kernel_resources.py --loops).
+# Reading Δ, it runs 1,170 with 3.6 (168 registers a thread, was 208) and 1,168 with 3.7.1 (161, was
+# 167). Reading Δ, the training forward (blocks of 16, 8 channels, 1 warp) runs fewer instructions
+# a block with every version (3.6: 1,559 against 2,334; 3.7.1: 1,526 against 1,694; 3.9: 1,351
+# against 1,507) and fewer registers with 3.6 and 3.9 (243 against 249, 190 against 228), but with
+# 3.7.1 it holds 245 registers a thread instead of 186 (the pipelined next block's Δ, float32, on
+# every state lane), so it stays off (FWD_DT_GIVEN) until timed.
+BWD_DT_GIVEN = True
+FWD_DT_GIVEN = False
+DT_BLOCK_R, DT_BLOCK_D = 32, 128
+
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
 
@@ -246,15 +263,20 @@ def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
-def _block_inputs(u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
-                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
+                  HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DT_GIVEN: tl.constexpr):
     """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, raw step size (bias added), B's
-    offsets, their mask, B)``, float32; Δ = 0 past T (a = 1, b = 0)."""
+    offsets, their mask, B)``, float32; Δ = 0 past T (a = 1, b = 0). With ``DT_GIVEN`` Δ is read
+    from ``dt_ptr`` (:func:`_dt_kernel`) and the raw step size is not (it comes back as Δ)."""
     tmask = t < T
     m2 = tmask[:, None] & dmask[None, :]
     off = (b * T + t)[:, None] * DM + d[None, :]
     u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
-    dt, raw = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
+    if DT_GIVEN:
+        dt = tl.load(dt_ptr + off, mask=m2, other=0.0)
+        raw = dt
+    else:
+        dt, raw = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
     bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
     bc_mask = tmask[:, None] & nmask[None, :]
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
@@ -301,20 +323,22 @@ def _adjoint_scan(dt_next, A, dy0, Ct, carry, rows):
 
 @triton.jit
 def _fwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
+    u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
     y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
     T, DM, N, G, PER_GROUP, NB, S, BPS, NBC,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, NB_LOOP: tl.constexpr, SEGMENTED: tl.constexpr, CKPT_T: tl.constexpr,
+    DT_GIVEN: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: time blocks ``[s·BPS, (s+1)·BPS)`` of segment ``s`` (the
     whole sequence when ``S == 1``; ``NB_LOOP``: ``BPS`` as a constexpr under the interpreter).
     With ``SEGMENTED`` the segment starts from the state folded from the segments before it:
     ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``). With
     ``STORE_CKPT`` the state entering every ``CKPT_T`` tokens (``CKPT_T`` divides ``BLOCK_T``) goes
-    to ``ckpt [B, NBC, Dm, N]``."""
+    to ``ckpt [B, NBC, Dm, N]``. With ``DT_GIVEN`` the step sizes are read from ``dt_ptr``
+    (:func:`_dt_kernel`)."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     if HAS_D:
@@ -338,7 +362,8 @@ def _fwd_kernel(
             tl.store(ckpt_ptr + (b * NBC + blk * (BLOCK_T // CKPT_T)) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
         m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
-            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
+            u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
+            DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         hs, x = _block_states(u, dt, Bt, A, h)  # states of the block's tokens, on chip only
         if STORE_CKPT:  # the state entering each later sub-block: after the token before it
@@ -375,7 +400,8 @@ def _fwd_carry_kernel(
     for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS):
         t = (seg * BPS + i) * BLOCK_T + rows
         m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
-            u_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS)
+            u_ptr, delta_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
+            False)
         hs, x = _block_states(u, dt, Bt, A, h)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
         sdt += tl.sum(dt, axis=0)
@@ -395,16 +421,22 @@ def _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T: tl
 
 
 @triton.jit
-def _bwd_loads(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask,
-               rows, T, DM, N, G, NB, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn,
+               dn_mask, rows, T, DM, N, G, NB, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, DT_GIVEN: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Time block ``blk``'s inputs to :func:`_bwd_kernel`, as loaded (each in its own dtype):
     ``(u, delta, delta one token on, B, C, dy (float32, zeros when absent), z, the saved state
-    entering the block)``; zeros past T."""
+    entering the block)``; zeros past T. With ``DT_GIVEN`` the second and third are the step
+    sizes Δ and Δ one token on, read from ``dt_ptr`` (float32, :func:`_dt_kernel`), and ``delta``
+    is read only where the softplus's derivative needs it (``z_ptr``'s place is unchanged)."""
     t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
     u = tl.load(u_ptr + off, mask=m2, other=0.0)
-    raw = tl.load(delta_ptr + off, mask=m2, other=0.0)
-    raw_next = tl.load(delta_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
+    if DT_GIVEN:
+        raw = tl.load(dt_ptr + off, mask=m2, other=0.0)
+        raw_next = tl.load(dt_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
+    else:
+        raw = tl.load(delta_ptr + off, mask=m2, other=0.0)
+        raw_next = tl.load(delta_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
     Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
     dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
@@ -417,17 +449,26 @@ def _bwd_loads(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, 
 
 
 @triton.jit
-def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-               BLOCK_T: tl.constexpr):
+               DT_GIVEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """One time block ``blk`` of :func:`_bwd_kernel` from its inputs (:func:`_bwd_loads`):
     recompute its states from the saved one, run the adjoint back from ``carry`` (the adjoint at
     the next block's first token), store du, d(delta), dz, add to dB and dC; returns ``(carry at
     this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added."""
     t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
     u = u.to(tl.float32)
-    dt, raw = _step_sizes(raw, bias, m2, HAS_BIAS, SOFTPLUS)
+    if DT_GIVEN:  # raw and raw_next hold Δ and Δ one token on (zero past T)
+        dt = raw
+        dt_next = raw_next
+        if SOFTPLUS:  # the softplus's derivative needs delta + bias
+            raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                raw += bias[None, :]
+    else:
+        dt, raw = _step_sizes(raw, bias, m2, HAS_BIAS, SOFTPLUS)
+        dt_next, _ = _step_sizes(raw_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)
     Bt = Bt.to(tl.float32)
     Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
@@ -443,7 +484,6 @@ def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_pt
         dy0 = dy * zv * sz
     else:
         dy0 = dy
-    dt_next, _ = _step_sizes(raw_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)
     gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
     # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
     ah = hs - x
@@ -468,16 +508,17 @@ def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_pt
 
 @triton.jit
 def _bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
+    u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr, gl_ptr, sdtn_ptr,
     T, DM, N, G, PER_GROUP, NB, S, BPS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, DT_GIVEN: tl.constexpr,
 ):
     """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
-    sequence when ``S == 1``). With ``SEGMENTED`` the adjoint entering the segment from after it
+    sequence when ``S == 1``). With ``DT_GIVEN`` the step sizes are read from ``dt_ptr``
+    (:func:`_dt_kernel`) instead of computed from ``delta`` in the loop. With ``SEGMENTED`` the adjoint entering the segment from after it
     is folded from the segments after it: ``g ← gl_s' + exp(A ΣΔ'_s') g``
     (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
     (batch, segment), summed in torch."""
@@ -502,23 +543,23 @@ def _bwd_kernel(
     first = seg * BPS
     last = tl.minimum(NB, first + BPS) - 1
     if PREFETCH:  # each block's inputs are loaded during the block after it (the one before in this loop)
-        nxt = _bwd_loads(last, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask,
-                         dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+        nxt = _bwd_loads(last, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n,
+                         nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
     blk = last
     while blk >= first:  # this segment's time blocks in reverse
         if PREFETCH:
             cur = nxt
-            nxt = _bwd_loads(tl.maximum(blk - 1, first), u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr,
-                             b, g, d, dmask, n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY,
-                             BLOCK_T, BLOCK_D)
+            nxt = _bwd_loads(tl.maximum(blk - 1, first), u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr,
+                             dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY,
+                             DT_GIVEN, BLOCK_T, BLOCK_D)
         else:
-            cur = _bwd_loads(blk, u_ptr, delta_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask,
-                             dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, BLOCK_T, BLOCK_D)
+            cur = _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n,
+                             nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
         u, raw, raw_next, Bt, Ct, dy, zv, h_start = cur
         carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-            blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+            blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
             b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
-            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, BLOCK_T)
+            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, DT_GIVEN, BLOCK_T)
         blk -= 1
     # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
@@ -570,6 +611,22 @@ def _bwd_carry_kernel(
         blk -= 1
     tl.store(gl_ptr + (b * S + seg) * DM * N + dn, carry, mask=dn_mask)
     tl.store(sdtn_ptr + (b * S + seg) * DM + d, sdtn, mask=dmask)
+
+
+@triton.jit
+def _dt_kernel(delta_ptr, bias_ptr, dt_ptr, ROWS, DM, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The step sizes Δ = softplus(delta + delta_bias) (or without either) of ``ROWS`` rows of a
+    ``[ROWS, Dm]`` ``delta``, float32, into ``dt_ptr``, with the same arithmetic as the scan's
+    kernels (:func:`_step_sizes`)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DM
+    m2 = (r < ROWS)[:, None] & dmask[None, :]
+    off = r.to(tl.int64)[:, None] * DM + d[None, :]
+    bias = _channel_values(bias_ptr, d, dmask, HAS_BIAS)
+    dt, _ = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
+    tl.store(dt_ptr + off, dt, mask=m2)
 
 
 def _wave(cfg: dict, n: int, device: torch.device, block_t: int, per_sm: int) -> int | None:
@@ -626,10 +683,24 @@ def _grid_shape(batch, groups, per_group, segments=1):
     return lambda args: (batch, groups * triton.cdiv(per_group, args["BLOCK_D"]), segments)
 
 
-_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT"], prune=_prune("fwd"))
+_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["HAS_H0", "STORE_CKPT", "DT_GIVEN"], prune=_prune("fwd"))
 # dB and dC start at zero and gather atomic adds: restored between autotuning trials
-_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT", "PREFETCH"], prune=_prune("bwd"),
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["HAS_DY", "HAS_DHT", "PREFETCH", "DT_GIVEN"], prune=_prune("bwd"),
                        restore=("dB_ptr", "dC_ptr"))
+
+
+def _step_size_buffer(delta, delta_bias, softplus):
+    """Δ = softplus(delta + delta_bias) (either part where given) as a float32 tensor shaped as
+    ``delta`` (:func:`_dt_kernel`), or None where Δ is ``delta`` itself (no softplus, no bias)."""
+    if not softplus and delta_bias is None:
+        return None
+    batch, length, dm = delta.shape
+    dt = launch.empty(delta.shape, torch.float32, delta.device)
+    launch.run(_dt_kernel, (triton.cdiv(batch * length, DT_BLOCK_R), triton.cdiv(dm, DT_BLOCK_D)),
+               delta, delta if delta_bias is None else delta_bias, dt, batch * length, dm,
+               HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, BLOCK_R=DT_BLOCK_R, BLOCK_D=DT_BLOCK_D,
+               fixed=dict(num_warps=4))
+    return dt
 
 
 def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt):
@@ -659,16 +730,18 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
             HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
             NB_LOOP=launch.loop_count(per), fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
         )
+    # a training forward reads Δ computed before it (FWD_DT_GIVEN); an inference one computes it
+    dt = _step_size_buffer(delta, delta_bias, softplus) if FWD_DT_GIVEN and store_ckpt else None
     launch.run(
         _fwd, _grid_shape(batch, groups, per_group, segments),
-        u, delta, A, B, C, u if D is None else D, u if z is None else z,
+        u, delta, delta if dt is None else dt, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
         y, final, ckpt, hl, sdt,
         length, dm, n, groups, per_group, n_blocks, segments, per, triton.cdiv(length, ckpt_t),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
         BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
-        NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1, CKPT_T=ckpt_t,
+        NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1, CKPT_T=ckpt_t, DT_GIVEN=dt is not None,
         fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
     )
     return y, final, ckpt
@@ -708,6 +781,9 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     dh0 = launch.empty((batch, dm, n), torch.float32, dev)
     dy = None if dy is None else dy.contiguous()
     dfinal = None if dfinal is None else dfinal.contiguous()
+    # Δ once, float32, before the backward reads it twice a token (Δ and Δ one token on)
+    dt = _step_size_buffer(delta, delta_bias, softplus) if BWD_DT_GIVEN else None
+    dt_given = dt is not None
     gl = sdtn = dh0  # unread with one segment
     if segments > 1:
         gl = launch.empty((batch, segments, dm, n), torch.float32, dev)
@@ -722,7 +798,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         )
     launch.run(
         _bwd, _grid_shape(batch, groups, per_group, segments),
-        u, delta, A, B, C, u if D is None else D, u if z is None else z,
+        u, delta, delta if dt is None else dt, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, ckpt,
         u if dy is None else dy, u if dfinal is None else dfinal,
         du, ddelta, du if dz is None else dz, dB, dC, dA,
@@ -730,7 +806,8 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, fixed=fixed,
+        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, DT_GIVEN=dt_given,
+        fixed=fixed,
     )
     return (
         du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

@@ -561,3 +561,91 @@ def test_backward_register_cap_and_prefetch_follow_the_grid(monkeypatch):
     assert launch(8, 1536, cfg=dict(base, bwd_maxnreg=0))[0] is None
     assert launch(2, 2048, cfg=dict(base, bwd_maxnreg=168))[0] == 168
     assert launch(2, 1536, cfg=dict(base, bwd_block_t=8, bwd_block_d=8, bwd_warps=2))[1] is False
+
+
+@pytest.mark.parametrize("dt_given", [True, False], ids=["dt-given", "dt-in-loop"])
+@pytest.mark.parametrize("softplus,bias", [(True, True), (True, False), (False, True)])
+def test_step_sizes_computed_once_or_in_the_loop_match_loop(monkeypatch, dt_given, softplus, bias):
+    """The training forward and the backward read Δ from a buffer computed before them
+    (FWD_DT_GIVEN, BWD_DT_GIVEN: the default) or compute it in their loops, with and without the
+    softplus and delta_bias; both against the float64 loop, outputs poisoned (an unwritten element
+    fails), with block-ahead loads too."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    monkeypatch.setattr(scan, "BWD_DT_GIVEN", dt_given)
+    monkeypatch.setattr(scan, "FWD_DT_GIVEN", dt_given)
+    monkeypatch.setattr(scan, "BWD_PREFETCH", True)
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    x = _inputs(length=21, groups=2, seed=7)
+    if not bias:
+        x["delta_bias"] = None
+    if not softplus:
+        x["delta"] = x["delta"].abs()
+        x["delta_bias"] = x["delta_bias"].abs()
+    _check_against_loop(x, softplus=softplus)
+
+
+def test_step_size_kernel_is_the_softplus_of_delta_plus_bias(monkeypatch):
+    """``_dt_kernel`` in float32 against torch's softplus in float64 (identity above 20, as torch's
+    default threshold), with and without the bias, ragged rows and channels, and delta as given
+    without the softplus; the buffer is poisoned first."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    torch.manual_seed(0)
+    rows, dm = 37, 150
+    delta = torch.randn(rows, dm, dtype=F64) * 8
+    delta[0, :5] = torch.tensor([25.0, 19.5, -30.0, 0.0, 1e-9])
+    bias = torch.randn(dm, dtype=F64)
+    delta, bias = delta.float().double(), bias.float().double()  # the float32 inputs, exactly
+    for softplus in (True, False):
+        for b in (bias, None):
+            out = launch.empty((rows, dm), torch.float32, delta.device)
+            launch.run(scan._dt_kernel, (triton_cdiv(rows, 8), triton_cdiv(dm, 64)), delta.float(),
+                       (delta if b is None else b).float(), out, rows, dm, HAS_BIAS=b is not None,
+                       SOFTPLUS=softplus, BLOCK_R=8, BLOCK_D=64, fixed=dict(num_warps=4))
+            raw = delta + (0 if b is None else b)
+            expected = torch.nn.functional.softplus(raw) if softplus else raw
+            assert out.dtype == torch.float32 and out.isfinite().all()
+            assert torch.allclose(out.double(), expected, rtol=2e-6, atol=0), (softplus, b is None)
+
+
+def test_step_size_kernel_runs_where_the_scan_needs_a_softplus_or_a_bias(monkeypatch):
+    """With BWD_DT_GIVEN, Δ is computed before the backward exactly where delta needs the
+    softplus or the bias (and the backward is told so); plain delta is read as it is. The same
+    for the training forward with FWD_DT_GIVEN; an inference forward computes Δ in its loop."""
+    import importlib
+
+    scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
+    launches = []
+    monkeypatch.setattr(scan.launch, "run",
+                        lambda kernel, grid, *args, fixed, **consts: launches.append((kernel, consts)))
+    u = torch.zeros(2, 16, 8)
+    A, B = torch.zeros(8, 4), torch.zeros(2, 16, 1, 4)
+    ckpt = torch.zeros(2, 16 // scan._config(True, 4)["bwd_block_t"], 8, 4)
+    for softplus, bias, given in ((True, None, True), (False, torch.zeros(8), True), (False, None, False)):
+        launches.clear()
+        scan._backward(u, u, A, B, B, None, None, bias, softplus, ckpt, u, None, None)
+        kernels = [k for k, _ in launches]
+        assert (scan._dt_kernel in kernels) == given and launches[-1][1]["DT_GIVEN"] is given
+    monkeypatch.setattr(scan, "BWD_DT_GIVEN", False)
+    launches.clear()
+    scan._backward(u, u, A, B, B, None, None, None, True, ckpt, u, None, None)
+    assert [k for k, _ in launches] == [scan._bwd] and launches[-1][1]["DT_GIVEN"] is False
+    # the forward: in training (states kept for the backward) as FWD_DT_GIVEN says, never in inference
+    monkeypatch.setattr(scan, "FWD_DT_GIVEN", True)
+    for store, given in ((True, True), (False, False)):
+        launches.clear()
+        scan._forward(u, u, A, B, B, None, None, None, True, None, store)
+        assert ([k for k, _ in launches] == [scan._dt_kernel, scan._fwd]) == given
+        assert launches[-1][1]["DT_GIVEN"] is given
+    monkeypatch.setattr(scan, "FWD_DT_GIVEN", False)
+    launches.clear()
+    scan._forward(u, u, A, B, B, None, None, None, True, None, True)
+    assert [k for k, _ in launches] == [scan._fwd] and launches[-1][1]["DT_GIVEN"] is False
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
