@@ -407,9 +407,7 @@ def sass_loop(cubin: bytes) -> dict:
     {opcode: count}}`` by :data:`SASS_CLASSES` (``other`` for the rest); ``loop`` 0 without a loop."""
     import collections
 
-    nvdisasm = PTXAS.parent / "nvdisasm"
-    if not nvdisasm.exists():
-        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    nvdisasm = PTXAS.parent / "nvdisasm"  # beside the wheel's ptxas
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:

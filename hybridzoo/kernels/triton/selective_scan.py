@@ -253,34 +253,40 @@ def _rows_or_zeros(ptr, off, m2, HAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
-    """``(Δ, raw + bias)`` float32 from a loaded tile of ``delta`` ``[BLOCK_T, BLOCK_D]``; Δ = 0
-    outside ``m2``."""
+def _biased(raw, bias, HAS_BIAS: tl.constexpr):
+    """A loaded tile of ``delta`` ``[BLOCK_T, BLOCK_D]`` plus ``delta_bias``, float32."""
     raw = raw.to(tl.float32)
     if HAS_BIAS:
         raw += bias[None, :]
+    return raw
+
+
+@triton.jit
+def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """``(Δ, raw + bias)`` float32 from a loaded tile of ``delta`` ``[BLOCK_T, BLOCK_D]``; Δ = 0
+    outside ``m2``."""
+    raw = _biased(raw, bias, HAS_BIAS)
     return tl.where(m2, _step_size(raw, SOFTPLUS), 0.0), raw
 
 
 @triton.jit
 def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DT_GIVEN: tl.constexpr):
-    """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, raw step size (bias added), B's
-    offsets, their mask, B)``, float32; Δ = 0 past T (a = 1, b = 0). With ``DT_GIVEN`` Δ is read
-    from ``dt_ptr`` (:func:`_dt_kernel`) and the raw step size is not (it comes back as Δ)."""
+    """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, B's offsets, their mask, B)``,
+    float32; Δ = 0 past T (a = 1, b = 0). With ``DT_GIVEN`` Δ is read from ``dt_ptr``
+    (:func:`_dt_kernel`)."""
     tmask = t < T
     m2 = tmask[:, None] & dmask[None, :]
     off = (b * T + t)[:, None] * DM + d[None, :]
     u = tl.load(u_ptr + off, mask=m2, other=0.0).to(tl.float32)
     if DT_GIVEN:
         dt = tl.load(dt_ptr + off, mask=m2, other=0.0)
-        raw = dt
     else:
-        dt, raw = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
+        dt, _ = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
     bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
     bc_mask = tmask[:, None] & nmask[None, :]
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-    return m2, off, u, dt, raw, bc_off, bc_mask, Bt
+    return m2, off, u, dt, bc_off, bc_mask, Bt
 
 
 @triton.jit
@@ -361,7 +367,7 @@ def _fwd_kernel(
         if STORE_CKPT:  # the state entering this block (its first sub-block)
             tl.store(ckpt_ptr + (b * NBC + blk * (BLOCK_T // CKPT_T)) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
-        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+        m2, off, u, dt, bc_off, bc_mask, Bt = _block_inputs(
             u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
             DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
@@ -399,7 +405,7 @@ def _fwd_carry_kernel(
     rows = tl.arange(0, BLOCK_T)
     for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS):
         t = (seg * BPS + i) * BLOCK_T + rows
-        m2, off, u, dt, raw, bc_off, bc_mask, Bt = _block_inputs(
+        m2, off, u, dt, bc_off, bc_mask, Bt = _block_inputs(
             u_ptr, delta_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
             False)
         hs, x = _block_states(u, dt, Bt, A, h)
@@ -463,9 +469,7 @@ def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr
         dt = raw
         dt_next = raw_next
         if SOFTPLUS:  # the softplus's derivative needs delta + bias
-            raw = tl.load(delta_ptr + off, mask=m2, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                raw += bias[None, :]
+            raw = _biased(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, HAS_BIAS)
     else:
         dt, raw = _step_sizes(raw, bias, m2, HAS_BIAS, SOFTPLUS)
         dt_next, _ = _step_sizes(raw_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from hybridzoo.kernels import selective_scan as selective_scan_op
 from hybridzoo.kernels.reference import selective_scan as reference_scan
@@ -603,7 +604,7 @@ def test_step_size_kernel_is_the_softplus_of_delta_plus_bias(monkeypatch):
     for softplus in (True, False):
         for b in (bias, None):
             out = launch.empty((rows, dm), torch.float32, delta.device)
-            launch.run(scan._dt_kernel, (triton_cdiv(rows, 8), triton_cdiv(dm, 64)), delta.float(),
+            launch.run(scan._dt_kernel, (triton.cdiv(rows, 8), triton.cdiv(dm, 64)), delta.float(),
                        (delta if b is None else b).float(), out, rows, dm, HAS_BIAS=b is not None,
                        SOFTPLUS=softplus, BLOCK_R=8, BLOCK_D=64, fixed=dict(num_warps=4))
             raw = delta + (0 if b is None else b)
@@ -645,7 +646,3 @@ def test_step_size_kernel_runs_where_the_scan_needs_a_softplus_or_a_bias(monkeyp
     launches.clear()
     scan._forward(u, u, A, B, B, None, None, None, True, None, True)
     assert [k for k, _ in launches] == [scan._fwd] and launches[-1][1]["DT_GIVEN"] is False
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
