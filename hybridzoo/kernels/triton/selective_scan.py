@@ -185,9 +185,14 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # a block with every version (3.6: 1,559 against 2,334; 3.7.1: 1,526 against 1,694; 3.9: 1,351
 # against 1,507) and fewer registers with 3.6 and 3.9 (243 against 249, 190 against 228), but with
 # 3.7.1 it holds 245 registers a thread instead of 186 (the pipelined next block's Δ, float32, on
-# every state lane), so it stays off (FWD_DT_GIVEN) until timed.
+# every state lane). Timed on an H200 with Triton 3.6 (scripts/probe_scan_configs.py, two interleaved
+# passes each, benchmarks/results/2026-12-04-probe-scan-dt-given-h200-1623309.jsonl): the backward
+# with Δ read took 1.61 against 2.14 ms at Mamba-130m's B8 T2048 D1536 N16 and 2.12 against 3.03 at
+# B2 T8192 (loading a block ahead), the training forward 0.387 against 0.495 and 0.858 against 1.032.
+# The forward reads Δ with Triton older than 3.7 only: with 3.7.1 its 245 registers a thread against
+# 186 are untimed.
 BWD_DT_GIVEN = True
-FWD_DT_GIVEN = False
+FWD_DT_GIVEN = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
 DT_BLOCK_R, DT_BLOCK_D = 32, 128
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
