@@ -185,14 +185,18 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # a block with every version (3.6: 1,559 against 2,334; 3.7.1: 1,526 against 1,694; 3.9: 1,351
 # against 1,507) and fewer registers with 3.6 and 3.9 (243 against 249, 190 against 228), but with
 # 3.7.1 it holds 245 registers a thread instead of 186 (the pipelined next block's Δ, float32, on
-# every state lane). Timed on an H200 with Triton 3.6 (scripts/probe_scan_configs.py, two interleaved
-# passes each, benchmarks/results/2026-12-04-probe-scan-dt-given-h200-1623309.jsonl): the backward
-# with Δ read took 1.61 against 2.14 ms at Mamba-130m's B8 T2048 D1536 N16 and 2.12 against 3.03 at
-# B2 T8192 (loading a block ahead), the training forward 0.387 against 0.495 and 0.858 against 1.032.
-# The forward reads Δ with Triton older than 3.7 only: with 3.7.1 its 245 registers a thread against
-# 186 are untimed.
+# every state lane). Timed on an H200 with Triton 3.6 (scripts/probe_scan_configs.py, fixed launch
+# settings, two interleaved passes, benchmarks/results/2026-12-04-probe-scan-dt-given-h200-1623309.jsonl):
+# the backward with Δ read took 1.61 against 2.14 ms at Mamba-130m's B8 T2048 D1536 N16 and 2.12
+# against 3.03 at B2 T8192 (loading a block ahead), the training forward 0.387 against 0.495 and
+# 0.858 against 1.032. In the whole mamba-130m training step (autotuning on, two interleaved
+# repetitions each, benchmarks/results/2026-12-04-models-mamba1-dt-given-ab-h200-090b17f.json) the
+# backward's gain holds at T 2048 (151k tokens/s against 144k without either) and is within the
+# spread at T 8192 (122k against 120k), but reading Δ in the forward as well made the step slower
+# (143k and 110k), against what the kernel alone showed; the cause is not found, so the forward
+# computes Δ itself (with 3.7.1 it would also hold 245 registers a thread against 186).
 BWD_DT_GIVEN = True
-FWD_DT_GIVEN = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+FWD_DT_GIVEN = False
 DT_BLOCK_R, DT_BLOCK_D = 32, 128
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
