@@ -241,7 +241,7 @@ def elementwise_settings():
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
             "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
-    ints = {"T", "DM", "NTB", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC"}
+    ints = {"T", "DM", "NTB", "SX", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC"}
 
     def types(kernel, constexprs):
         return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"

@@ -72,11 +72,12 @@ def _fixed(kind: str) -> dict:
 
 
 @triton.jit
-def _padded(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.constexpr):
+def _padded(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, SX, W: tl.constexpr, HAS_S0: tl.constexpr):
     """``cat(initial_state, x)`` at positions ``pos`` of x (negative: the tail) for channels
     ``d``, float32, zero outside; ``pos`` and ``d`` (with ``dmask``) broadcast against each other:
-    one position and ``[BLOCK_D]`` channels give a row, ``[BLOCK_T, 1]`` and ``[1, BLOCK_D]`` a tile."""
-    v = tl.load(x_ptr + (b * T + pos) * DM + d, mask=dmask & (pos >= 0) & (pos < T), other=0.0).to(tl.float32)
+    one position and ``[BLOCK_D]`` channels give a row, ``[BLOCK_T, 1]`` and ``[1, BLOCK_D]`` a tile.
+    ``SX``: elements from one token of x to the next (``DM`` when x is contiguous)."""
+    v = tl.load(x_ptr + (b * T + pos) * SX + d, mask=dmask & (pos >= 0) & (pos < T), other=0.0).to(tl.float32)
     if HAS_S0:
         v += tl.load(s0_ptr + (b * (W - 1) + (W - 1) + pos) * DM + d,
                      mask=dmask & (pos < 0) & (pos >= 1 - W), other=0.0).to(tl.float32)
@@ -84,14 +85,15 @@ def _padded(x_ptr, s0_ptr, b, pos, d, dmask, T, DM, W: tl.constexpr, HAS_S0: tl.
 
 
 @triton.jit
-def _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM,
+def _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX,
             W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, BLOCK_T: tl.constexpr,
             BLOCK_D: tl.constexpr):
     """``bias + Σ_i weight[:, i] · x_{t-W+1+i}`` at rows ``t``, float32 ``[BLOCK_T, BLOCK_D]``."""
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for i in tl.static_range(W):
         w_i = tl.load(w_ptr + d * W + i, mask=dmask, other=0.0).to(tl.float32)
-        x_i = _padded(x_ptr, s0_ptr, b, (t - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, W, HAS_S0)
+        x_i = _padded(x_ptr, s0_ptr, b, (t - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, SX, W,
+                      HAS_S0)
         acc += w_i[None, :] * x_i
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -99,14 +101,15 @@ def _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM,
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, t, d, dmask, T, DM,
+def _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, t, d, dmask, T, DM, SX,
           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Gradient at the pre-activation, rows ``t`` (zero outside ``[0, T)``)."""
     valid = ((t >= 0) & (t < T))[:, None] & dmask[None, :]
     dy = tl.load(dy_ptr + (b * T + t)[:, None] * DM + d[None, :], mask=valid, other=0.0).to(tl.float32)
     if SILU:
-        pre = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_BIAS, HAS_S0, BLOCK_T, BLOCK_D)
+        pre = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T,
+                      BLOCK_D)
         sig = tl.sigmoid(pre)
         dy = dy * sig * (1.0 + pre * (1.0 - sig))
     return dy
@@ -114,7 +117,7 @@ def _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, t, d, dmask, T, DM,
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, s0_ptr, y_ptr, T, DM,
+    x_ptr, w_ptr, bias_ptr, s0_ptr, y_ptr, T, DM, SX,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -122,7 +125,7 @@ def _fwd_kernel(
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < DM
-    y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_BIAS, HAS_S0, BLOCK_T, BLOCK_D)
+    y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T, BLOCK_D)
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + (b * T + t)[:, None] * DM + d[None, :], y, mask=(t < T)[:, None] & dmask[None, :])
@@ -130,7 +133,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, NTB,
+    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, NTB,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -144,17 +147,18 @@ def _bwd_kernel(
     for i in tl.static_range(W):
         w_i = tl.load(w_ptr + d * W + i, mask=dmask, other=0.0).to(tl.float32)
         dx += w_i[None, :] * _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, s + (W - 1 - i), d, dmask, T, DM,
-                                   W, HAS_BIAS, HAS_S0, SILU, BLOCK_T, BLOCK_D)
+                                   SX, W, HAS_BIAS, HAS_S0, SILU, BLOCK_T, BLOCK_D)
     tl.store(dx_ptr + (b * T + s)[:, None] * DM + d[None, :], dx, mask=((s >= 0) & (s < T))[:, None] & dmask[None, :])
     if HAS_S0:
         tl.store(ds0_ptr + (b * (W - 1) + (W - 1) + s)[:, None] * DM + d[None, :], dx,
                  mask=(s < 0)[:, None] & dmask[None, :])
     # this block's share of the weight / bias gradients: rows t = s in [0, T)
-    dpre = _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, s, d, dmask, T, DM,
+    dpre = _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, s, d, dmask, T, DM, SX,
                  W, HAS_BIAS, HAS_S0, SILU, BLOCK_T, BLOCK_D)
     part = (b * NTB + tb) * DM + d  # partial-sum row of this program
     for i in tl.static_range(W):
-        x_i = _padded(x_ptr, s0_ptr, b, (s - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, W, HAS_S0)
+        x_i = _padded(x_ptr, s0_ptr, b, (s - (W - 1) + i)[:, None], d[None, :], dmask[None, :], T, DM, SX, W,
+                      HAS_S0)
         tl.store(dw_ptr + part * W + i, tl.sum(dpre * x_i, axis=0), mask=dmask)
     if HAS_BIAS:
         tl.store(db_ptr + part, tl.sum(dpre, axis=0), mask=dmask)
@@ -175,7 +179,7 @@ def _pick(k: tl.constexpr, v0, v1, v2, v3):
 
 @triton.jit
 def _bwd_seq_kernel(
-    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, NCH,
+    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, NCH,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
 ):
@@ -196,13 +200,13 @@ def _bwd_seq_kernel(
     xm1, xm2, xm3 = zero, zero, zero
     if W > 1:
         v1 = tl.load(w_ptr + d * W + (W - 2), mask=dmask, other=0.0).to(tl.float32)
-        xm1 = _padded(x_ptr, s0_ptr, b, start - 1, d, dmask, T, DM, W, HAS_S0)
+        xm1 = _padded(x_ptr, s0_ptr, b, start - 1, d, dmask, T, DM, SX, W, HAS_S0)
     if W > 2:
         v2 = tl.load(w_ptr + d * W + (W - 3), mask=dmask, other=0.0).to(tl.float32)
-        xm2 = _padded(x_ptr, s0_ptr, b, start - 2, d, dmask, T, DM, W, HAS_S0)
+        xm2 = _padded(x_ptr, s0_ptr, b, start - 2, d, dmask, T, DM, SX, W, HAS_S0)
     if W > 3:
         v3 = tl.load(w_ptr + d * W + (W - 4), mask=dmask, other=0.0).to(tl.float32)
-        xm3 = _padded(x_ptr, s0_ptr, b, start - 3, d, dmask, T, DM, W, HAS_S0)
+        xm3 = _padded(x_ptr, s0_ptr, b, start - 3, d, dmask, T, DM, SX, W, HAS_S0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d, mask=dmask, other=0.0).to(tl.float32)
     p1, p2, p3 = zero, zero, zero
@@ -210,7 +214,7 @@ def _bwd_seq_kernel(
     for trip in tl.range(0, CHUNK // UNROLL + 1):
         for j in tl.static_range(UNROLL):
             t = start + trip * UNROLL + j
-            x0 = _padded(x_ptr, s0_ptr, b, t, d, dmask, T, DM, W, HAS_S0)
+            x0 = _padded(x_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_S0)
             dy = tl.load(dy_ptr + (b * T + t) * DM + d, mask=dmask & (t >= 0) & (t < T), other=0.0).to(tl.float32)
             if SILU:
                 pre = v0 * x0
@@ -259,8 +263,20 @@ _bwd_seq = launch.autotuned(_bwd_seq_kernel, SEQ_CONFIGS, TUNE_KEY)
 _bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY)
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, Dm]`` as the kernels read it: channels adjacent and every token ``x.stride(1)``
+    elements after the one before it, across sequences too. A slice of the channels of a wider
+    tensor (Mamba's ``x`` half of ``in_proj``'s output) is read in place; anything else is copied
+    contiguous."""
+    batch, length, dm = x.shape
+    if x.stride(2) == 1 and x.stride(1) >= dm and (batch == 1 or x.stride(0) == length * x.stride(1)):
+        return x
+    return x.contiguous()
+
+
 class _CausalConv1dFn(torch.autograd.Function):
-    """x ``[B, T, Dm]``, weight ``[Dm, W]``, bias, initial_state ``[B, W-1, Dm]``, all contiguous."""
+    """x ``[B, T, Dm]`` (:func:`_token_rows`), weight ``[Dm, W]``, bias, initial_state
+    ``[B, W-1, Dm]``, the last three contiguous."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, silu):
@@ -270,7 +286,7 @@ class _CausalConv1dFn(torch.autograd.Function):
         launch.run(
             _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
-            length, dm, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
+            length, dm, x.stride(1), W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
             fixed=_fixed("fwd"),
         )
         ctx.save_for_backward(x, weight, bias, initial_state)
@@ -296,7 +312,7 @@ class _CausalConv1dFn(torch.autograd.Function):
             kernel, lambda a: (batch, triton.cdiv(length + width - 1, a[span]), triton.cdiv(dm, a["BLOCK_D"])),
             x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
             dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
-            length, dm, rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
+            length, dm, x.stride(1), rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
             SILU=ctx.silu, fixed=fixed,
         )
         filled = triton.cdiv(length + width - 1, used[span])
@@ -337,7 +353,7 @@ def causal_conv1d(
     if length == 0:
         y = x.new_empty(x.shape)
     else:
-        y = _CausalConv1dFn.apply(x.contiguous(), weight.contiguous(),
+        y = _CausalConv1dFn.apply(_token_rows(x), weight.contiguous(),
                                   None if bias is None else bias.contiguous(), state, activation == "silu")
     final_state = None
     if output_final_state:  # the last W-1 inputs of cat(initial_state, x): an exact copy

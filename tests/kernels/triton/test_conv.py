@@ -89,6 +89,41 @@ def test_state_carrying():
     assert torch.equal(s2, s)
 
 
+@pytest.mark.parametrize("width", [4, 5])  # the step-ordered backward and the tiled one
+@pytest.mark.parametrize("batch", [2, 1])
+def test_channel_slice_of_a_wider_tensor_is_read_in_place(width, batch):
+    """x as Mamba's layers pass it: the channels ``[dm, 2·dm)`` of a ``[B, T, 2·dm + 3]`` tensor
+    (one token every ``2·dm + 3`` elements). The kernels read it in place (no copy) and give the
+    float64 loop's output and gradients, the gradient reaching the wide tensor at those channels
+    only; a transposed view (channels not adjacent) is copied first and gives the same."""
+    from hybridzoo.kernels.triton.conv import _token_rows
+
+    x = _inputs(batch=batch, length=19, dm=11, width=width, seed=20 + width)
+    torch.manual_seed(21)
+    wide = torch.randn(batch, 19, 2 * 11 + 3)
+    wide[..., 11:22] = x["x"].float()
+    wide.requires_grad_()
+    sliced = wide[..., 11:22]
+    assert not sliced.is_contiguous() and _token_rows(sliced).data_ptr() == sliced.data_ptr()
+    ref_in = _leaves(x)
+    rest = _leaves({k: v for k, v in x.items() if k != "x"}, torch.float32)
+    y_ref, s_ref = _run(causal_conv1d_loop, ref_in, "silu")
+    y, s = _run(causal_conv1d, dict(rest, x=sliced), "silu")
+    assert rel_err(y, y_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
+    gy, gs = torch.randn_like(y_ref), torch.randn_like(s_ref)
+    ((y_ref * gy).sum() + (s_ref * gs).sum()).backward()
+    ((y * gy.float()).sum() + (s * gs.float()).sum()).backward()
+    assert rel_err(wide.grad[..., 11:22], ref_in["x"].grad) <= 1e-5
+    assert torch.count_nonzero(wide.grad[..., :11]) == 0 and torch.count_nonzero(wide.grad[..., 22:]) == 0
+    for name in ("weight", "bias", "initial_state"):
+        assert rel_err(rest[name].grad, ref_in[name].grad) <= 1e-5, name
+    # the same op on a contiguous copy: bitwise the same output
+    assert torch.equal(_run(causal_conv1d, dict(rest, x=sliced.detach().contiguous()), "silu")[0], y.detach())
+    transposed = x["x"].float().transpose(0, 1).contiguous().transpose(0, 1)  # tokens of a sequence far apart
+    assert _token_rows(transposed).data_ptr() != transposed.data_ptr() or batch == 1
+    assert rel_err(_run(causal_conv1d, dict(rest, x=transposed), "silu")[0], y_ref) <= 1e-5
+
+
 def test_poisoned_outputs(monkeypatch):
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     _check_against_loop(_inputs(length=23, dm=13, seed=7), "silu")
