@@ -167,6 +167,28 @@ def test_gpu_real_shapes(monkeypatch, dtype, tol, dm, width):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("width", [4, 5])
+def test_gpu_channel_slice(monkeypatch, width):
+    """bf16 x as Mamba-1 passes it (the second half of a ``[B, T, 2·1536]`` tensor), read in place,
+    against the float64 reference: output and gradients, the wide tensor's other half untouched."""
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    x = _inputs(batch=8, length=2048, dm=1536, width=width, seed=10, dtype=torch.bfloat16, device="cuda")
+    wide = torch.cat([torch.randn_like(x["x"]), x["x"]], dim=-1).requires_grad_()
+    rest = _leaves({k: v for k, v in x.items() if k != "x"})
+    ref_in = _leaves(x, F64)
+    y, s = _run(causal_conv1d, dict(rest, x=wide[..., 1536:]), "silu")
+    y_ref, s_ref = _run(reference_conv, ref_in, "silu")
+    assert not y.isnan().any() and rel_err(y, y_ref) <= 1e-2 and torch.equal(s.to(F64), s_ref)
+    torch.manual_seed(11)
+    gy = torch.randn_like(y_ref)
+    (y.to(F64) * gy).sum().backward()
+    (y_ref * gy).sum().backward()
+    assert rel_err(wide.grad[..., 1536:], ref_in["x"].grad) <= 1e-2 and not wide.grad[..., :1536].any()
+    for name, leaf in rest.items():
+        assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-2, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("autotune", [False, True], ids=["each-setting", "autotuner"])
 def test_gpu_every_launch_setting(monkeypatch, autotune):
     """Each forward and backward setting the autotuner may pick (i-th of each together), and the
