@@ -168,8 +168,9 @@ BWD_BLOCK_T = 8
 # False forces it. A backward whose loop Triton software-pipelines (tl.range num_stages 2, B and C
 # through shared memory) was slower at both shapes (3.06 and 4.07 ms) and is gone.
 BWD_PREFETCH = None
-# One wave: 12 one-warp programs of 167 registers an SM (Triton 3.7.1; Triton 3.6, which the H200
-# figures above ran on, gives the tile 208 registers, 9 an SM: the two measured grids lie on the
+# One wave: 12 one-warp programs an SM, the 8-token 4-wide tile reading the step sizes
+# (BWD_DT_GIVEN) holding 161 registers a thread with Triton 3.7.1 and 168 with 3.6 (computing them,
+# 167 and 208: 9 an SM with 3.6, on which the figures above ran; the two measured grids lie on the
 # same sides of either wave).
 BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 
