@@ -441,18 +441,18 @@ def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_
                dn_mask, rows, T, DM, N, G, NB, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, DT_GIVEN: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Time block ``blk``'s inputs to :func:`_bwd_kernel`, as loaded (each in its own dtype):
-    ``(u, delta, delta one token on, B, C, dy (float32, zeros when absent), z, the saved state
-    entering the block)``; zeros past T. With ``DT_GIVEN`` the second and third are the step
-    sizes Δ and Δ one token on, read from ``dt_ptr`` (float32, :func:`_dt_kernel`), and ``delta``
-    is read only where the softplus's derivative needs it (``z_ptr``'s place is unchanged)."""
+    ``(u, step, step one token on, B, C, dy (float32, zeros when absent), z, the saved state
+    entering the block)``; zeros past T. ``step`` is ``delta`` as stored or, with ``DT_GIVEN``,
+    the step size Δ read from ``dt_ptr`` (float32, :func:`_dt_kernel`); then ``delta`` is read
+    only where the softplus's derivative needs it (in :func:`_bwd_block`)."""
     t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
     u = tl.load(u_ptr + off, mask=m2, other=0.0)
     if DT_GIVEN:
-        raw = tl.load(dt_ptr + off, mask=m2, other=0.0)
-        raw_next = tl.load(dt_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
+        step = tl.load(dt_ptr + off, mask=m2, other=0.0)
+        step_next = tl.load(dt_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
     else:
-        raw = tl.load(delta_ptr + off, mask=m2, other=0.0)
-        raw_next = tl.load(delta_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
+        step = tl.load(delta_ptr + off, mask=m2, other=0.0)
+        step_next = tl.load(delta_ptr + off + DM, mask=((t + 1) < T)[:, None] & dmask[None, :], other=0.0)
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0)
     Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
     dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
@@ -461,11 +461,11 @@ def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_
     else:
         zv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask & (blk < NB), other=0.0)
-    return u, raw, raw_next, Bt, Ct, dy, zv, h_start
+    return u, step, step_next, Bt, Ct, dy, zv, h_start
 
 
 @triton.jit
-def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                DT_GIVEN: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -475,14 +475,15 @@ def _bwd_block(blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr
     this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added."""
     t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
     u = u.to(tl.float32)
-    if DT_GIVEN:  # raw and raw_next hold Δ and Δ one token on (zero past T)
-        dt = raw
-        dt_next = raw_next
+    if DT_GIVEN:  # step and step_next are Δ and Δ one token on (zero past T)
+        dt = step
+        dt_next = step_next
+        raw = step  # read only with the softplus, below
         if SOFTPLUS:  # the softplus's derivative needs delta + bias
             raw = _biased(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, HAS_BIAS)
     else:
-        dt, raw = _step_sizes(raw, bias, m2, HAS_BIAS, SOFTPLUS)
-        dt_next, _ = _step_sizes(raw_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)
+        dt, raw = _step_sizes(step, bias, m2, HAS_BIAS, SOFTPLUS)
+        dt_next, _ = _step_sizes(step_next, bias, ((t + 1) < T)[:, None] & dmask[None, :], HAS_BIAS, SOFTPLUS)
     Bt = Bt.to(tl.float32)
     Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
@@ -569,9 +570,9 @@ def _bwd_kernel(
         else:
             cur = _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n,
                              nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
-        u, raw, raw_next, Bt, Ct, dy, zv, h_start = cur
+        u, step, step_next, Bt, Ct, dy, zv, h_start = cur
         carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
-            blk, u, raw, raw_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
+            blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
             b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, DT_GIVEN, BLOCK_T)
         blk -= 1
