@@ -195,7 +195,7 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # backward's gain holds at T 2048 (151k tokens/s against 144k without either) and is within the
 # spread at T 8192 (122k against 120k), but reading Δ in the forward as well made the step slower
 # (143k and 110k), against what the kernel alone showed; the cause is not found, so the forward
-# computes Δ itself (with 3.7.1 it would also hold 245 registers a thread against 186).
+# computes Δ itself.
 BWD_DT_GIVEN = True
 FWD_DT_GIVEN = False
 DT_BLOCK_R, DT_BLOCK_D = 32, 128
@@ -798,7 +798,6 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     dfinal = None if dfinal is None else dfinal.contiguous()
     # Δ once, float32, before the backward reads it twice a token (Δ and Δ one token on)
     dt = _step_size_buffer(delta, delta_bias, softplus) if BWD_DT_GIVEN else None
-    dt_given = dt is not None
     gl = sdtn = dh0  # unread with one segment
     if segments > 1:
         gl = launch.empty((batch, segments, dm, n), torch.float32, dev)
@@ -821,7 +820,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         length, dm, n, groups, per_group, n_blocks, segments, per,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, DT_GIVEN=dt_given,
+        BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, DT_GIVEN=dt is not None,
         fixed=fixed,
     )
     return (
