@@ -37,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _model(recipe: str, n_layers: int, side: str, tiny: bool = False):
-    """``(step, vocab_size)``: ``step(ids)`` runs one forward and backward of the recipe's
+    """``(step, vocab_size)``: ``step(ids)`` (the model at ``step.model``) runs one forward and backward of the recipe's
     ``HybridLM`` (``side`` "ours", bf16 autocast) or, with ``side`` "peer" or "ours-bf16", of the
-    model table's pair of that name on one side (bf16 weights, no autocast)."""
+    model table's pair of that name on one side (bf16 weights, no autocast). Each step first sets
+    the parameters' gradients to None, as a training loop's ``zero_grad`` does, so that the counts
+    hold no accumulation into ``.grad`` from the step before."""
     import dataclasses
 
     import torch
@@ -50,10 +52,12 @@ def _model(recipe: str, n_layers: int, side: str, tiny: bool = False):
         model = HybridLM.from_recipe(recipe, backend="triton", n_layers=n_layers)
 
         def step(ids):
+            model.zero_grad(set_to_none=True)  # as a training loop does: no gradient accumulated into .grad
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(ids, labels=ids)[2]
             loss.backward()
 
+        step.model = model
         return step, model.config.vocab_size
     from benchmarks.models import PAIRS
 
@@ -68,8 +72,10 @@ def _model(recipe: str, n_layers: int, side: str, tiny: bool = False):
         logits = lambda ids: model(ids)[0]  # noqa: E731
 
     def step(ids):
+        model.zero_grad(set_to_none=True)
         logits(ids).float().logsumexp(-1).mean().backward()
 
+    step.model = model
     return step, config.vocab_size
 
 

@@ -190,6 +190,30 @@ def test_host_ops_script_counts_one_layers_ops_and_launches():
     assert 0 < layer_ops < step_ops and 0 < layer_launches < step_launches
 
 
+def test_host_ops_step_starts_from_no_gradients():
+    """A counted step is a training step's: it starts with every ``.grad`` set to None (as
+    ``zero_grad`` does), so a second step leaves the gradients of one step, not their sum, and
+    dispatches no accumulating adds."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "host_ops.py"
+    spec = importlib.util.spec_from_file_location("host_ops_under_test", path)
+    host_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_ops)
+    torch.manual_seed(0)
+    step, vocab_size = host_ops._model("mqar-gdn-s", 1, "ours")
+    ids = torch.randint(0, vocab_size, (1, 16))
+    step(ids)
+    model = step.model
+    once = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert once
+    step(ids)
+    for name, p in model.named_parameters():
+        if name in once:
+            torch.testing.assert_close(p.grad, once[name], rtol=0, atol=0, msg=name)
+
+
 def test_host_ops_script_counts_a_peer_beside_hybridzoo():
     """``scripts/host_ops.py --peer``: fla's RetNet model of the model table's pair, counted the
     same way beside hybridzoo's (its Triton launches skipped, its autotuning answered untimed)."""
