@@ -29,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import selective_scan, selective_scan_grads, selective_scan_saved, selective_scan_step
+from hybridzoo.layers import recompute
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
+from hybridzoo.layers.mamba1_inner import Mamba1Inner, fused_inner_backend
 from hybridzoo.layers.recompute import Kept, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
@@ -143,7 +145,9 @@ class Mamba1(Mixer):
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
 
         With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
-        the backward (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps
+        the backward: on our Triton kernels, for a whole sequence without a carried state, by
+        :class:`~hybridzoo.layers.mamba1_inner.Mamba1Inner` (its backward written out), otherwise by
+        :func:`~hybridzoo.layers.recompute.recomputed`. Per token the step keeps
         ``in_proj``'s input and output and ``out_proj``'s input, as mamba_ssm's fused path does.
         The scan's forward is not run again: the step keeps the state the scan's backward restarts
         from (:func:`~hybridzoo.kernels.selective_scan_saved`; with our Triton backend one state
@@ -151,6 +155,15 @@ class Mamba1(Mixer):
         if not plain_modules(self.conv1d, self.x_proj):
             return self._mix_modules(x, state)
         xz = self.in_proj(x)
+        if self._fused_inner(xz, state):
+            device = xz.device.type
+            cast = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                    and xz.dtype == torch.get_autocast_dtype(device) else None)
+            y, conv_tail, recurrent = Mamba1Inner.apply(
+                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                self.dt_proj.bias, self.A_log, self.D, self.dt_rank, cast)
+            out = self.out_proj(y.to(activation_dtype(x)))
+            return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=x.shape[1])
         tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                    self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
                    None if state is None else state.recurrent)
@@ -158,6 +171,16 @@ class Mamba1(Mixer):
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _fused_inner(self, xz: torch.Tensor, state: RecurrentState | None) -> bool:
+        """Whether this training call takes :class:`~hybridzoo.layers.mamba1_inner.Mamba1Inner` (one
+        autograd node with a written-out backward) instead of the recomputed body: a gradient is
+        wanted, no state comes in, the sequence fills the conv's window, the scan's states are kept
+        and the conv and scan run on our Triton kernels."""
+        return (state is None and self.config.keep_scan_states and self.conv1d.activation == "silu"
+                and xz.shape[1] >= self.config.d_conv - 1 and xz.shape[1] > 1
+                and recompute.wants_recompute(xz, self.x_proj.weight)
+                and fused_inner_backend(self.backend, xz.device))
 
     def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
                      ) -> tuple[torch.Tensor, RecurrentState]:

@@ -274,51 +274,65 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 initial_state: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """The conv's output ``y [B, T, Dm]`` in x.dtype, no autograd graph: x ``[B, T, Dm]``
+    (:func:`_token_rows`), weight ``[Dm, W]``, bias ``[Dm]`` or None, initial_state
+    ``[B, W-1, Dm]`` or None, the last three contiguous."""
+    batch, length, dm = x.shape
+    width = weight.shape[1]
+    y = launch.empty(x.shape, x.dtype, x.device)
+    launch.run(
+        _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
+        x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
+        length, dm, x.stride(1), W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
+        fixed=_fixed("fwd"),
+    )
+    return y
+
+
+def conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               initial_state: torch.Tensor | None, silu: bool, dy: torch.Tensor) -> tuple:
+    """The backward of :func:`conv_forward` (the same inputs) from ``dy [B, T, Dm]``:
+    ``(dx in x.dtype, dweight, dbias or None, dinitial_state or None)``."""
+    batch, length, dm = x.shape
+    width = weight.shape[1]
+    dx = launch.empty(x.shape, x.dtype, x.device)
+    ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
+    seq = width <= SEQ_MAX_WIDTH
+    kernel, configs, span = (_bwd_seq, SEQ_CONFIGS, "CHUNK") if seq else (_bwd, BWD_CONFIGS, "BLOCK_T")
+    # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
+    # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, block)
+    fixed = _fixed("seq" if seq else "bwd")
+    rows = triton.cdiv(length + width - 1, min([fixed[span]] + [c.kwargs[span] for c in configs]))
+    dw = launch.empty((batch, rows, dm, width), torch.float32, x.device)
+    db = None if bias is None else launch.empty((batch, rows, dm), torch.float32, x.device)
+    used = launch.run(
+        kernel, lambda a: (batch, triton.cdiv(length + width - 1, a[span]), triton.cdiv(dm, a["BLOCK_D"])),
+        x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
+        dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
+        length, dm, x.stride(1), rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
+        SILU=silu, fixed=fixed,
+    )
+    filled = triton.cdiv(length + width - 1, used[span])
+    dweight = dw[:, :filled].sum((0, 1)).to(weight.dtype)
+    dbias = None if bias is None else db[:, :filled].sum((0, 1)).to(bias.dtype)
+    return dx, dweight, dbias, ds0
+
+
 class _CausalConv1dFn(torch.autograd.Function):
     """x ``[B, T, Dm]`` (:func:`_token_rows`), weight ``[Dm, W]``, bias, initial_state
     ``[B, W-1, Dm]``, the last three contiguous."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, silu):
-        batch, length, dm = x.shape
-        width = weight.shape[1]
-        y = launch.empty(x.shape, x.dtype, x.device)
-        launch.run(
-            _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
-            x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
-            length, dm, x.stride(1), W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
-            fixed=_fixed("fwd"),
-        )
         ctx.save_for_backward(x, weight, bias, initial_state)
         ctx.silu = silu
-        return y
+        return conv_forward(x, weight, bias, initial_state, silu)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, initial_state = ctx.saved_tensors
-        batch, length, dm = x.shape
-        width = weight.shape[1]
-        dx = launch.empty(x.shape, x.dtype, x.device)
-        ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
-        seq = width <= SEQ_MAX_WIDTH
-        kernel, configs, span = (_bwd_seq, SEQ_CONFIGS, "CHUNK") if seq else (_bwd, BWD_CONFIGS, "BLOCK_T")
-        # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
-        # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, block)
-        fixed = _fixed("seq" if seq else "bwd")
-        rows = triton.cdiv(length + width - 1, min([fixed[span]] + [c.kwargs[span] for c in configs]))
-        dw = launch.empty((batch, rows, dm, width), torch.float32, x.device)
-        db = None if bias is None else launch.empty((batch, rows, dm), torch.float32, x.device)
-        used = launch.run(
-            kernel, lambda a: (batch, triton.cdiv(length + width - 1, a[span]), triton.cdiv(dm, a["BLOCK_D"])),
-            x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
-            dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
-            length, dm, x.stride(1), rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
-            SILU=ctx.silu, fixed=fixed,
-        )
-        filled = triton.cdiv(length + width - 1, used[span])
-        dweight = dw[:, :filled].sum((0, 1)).to(weight.dtype)
-        dbias = None if bias is None else db[:, :filled].sum((0, 1)).to(bias.dtype)
-        return dx, dweight, dbias, ds0, None
+        return (*conv_grads(*ctx.saved_tensors, ctx.silu, dy), None)
 
 
 def causal_conv1d(

@@ -1,0 +1,129 @@
+"""Mamba-1's training step between ``in_proj`` and ``out_proj`` as one autograd node.
+
+:class:`~hybridzoo.layers.mamba1.Mamba1` otherwise runs that part through
+:func:`~hybridzoo.layers.recompute.recomputed`: its backward runs the body again with autograd on
+and backpropagates through the fresh graph. The GPU work is the same here, but the backward is
+written out (the conv and the two small projections recomputed, the scan's gradients from its
+saved states, then the projections', the conv's and the parameters' gradients in order), so the
+host records no second graph: fewer op dispatches and weight casts per layer and step, which is
+what a small model's step waits on.
+
+Taken on our Triton kernels (CUDA, or the interpreter with ``backend="triton"``) for a whole
+sequence with no carried state; every other call keeps the general path. The tensors kept for the
+backward are the general path's: ``in_proj``'s output, the parameters and the scan's saved states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridzoo.kernels import selective_scan_grads, selective_scan_saved
+from hybridzoo.layers.state import state_dtype
+
+__all__ = ["Mamba1Inner", "fused_inner_backend"]
+
+
+def fused_inner_backend(backend: str, device: torch.device) -> bool:
+    """True when ``backend`` runs Mamba-1's conv and scan on our Triton kernels on ``device`` (the
+    condition for :class:`Mamba1Inner`). An unusable Triton raises the op's usual error."""
+    from hybridzoo.kernels._dispatch import _auto_backend, resolve
+
+    for op in ("causal_conv1d", "selective_scan"):
+        if (_auto_backend(op, device) if backend == "auto" else backend) != "triton":
+            return False
+        resolve(op, backend, device)  # the clear error of an unusable backend, as the general path gives
+    return True
+
+
+def _casts(dtype: torch.dtype | None, *weights: torch.Tensor) -> list[torch.Tensor]:
+    return [w if dtype is None else w.to(dtype) for w in weights]
+
+
+class Mamba1Inner(torch.autograd.Function):
+    """``(y, conv_tail, final_state) = Mamba1Inner.apply(xz, conv_weight, conv_bias, x_proj_weight,
+    dt_proj_weight, dt_proj_bias, A_log, D, dt_rank, cast_dtype)``.
+
+    Args:
+        xz: ``[B, T, 2 d_inner]``, ``in_proj``'s output (activation dtype), T at least the conv's
+            width minus one.
+        conv_weight ``[d_inner, W]``, conv_bias ``[d_inner]`` or None, x_proj_weight
+        ``[dt_rank + 2N, d_inner]``, dt_proj_weight ``[d_inner, dt_rank]``, dt_proj_bias
+        ``[d_inner]``, A_log ``[d_inner, N]``, D ``[d_inner]``: the parameters.
+        cast_dtype: the autocast dtype the two projections' weights are cast to (as
+            ``F.linear`` under autocast casts them), or None for no cast.
+
+    Returns:
+        ``y [B, T, d_inner]`` in xz's dtype (the gated scan output), ``conv_tail
+        [B, W-1, d_inner]`` (the conv's last inputs) and the scan's final state ``[B, d_inner, N]``
+        float32 (float64 for float64 inputs). Gradients flow from all three.
+    """
+
+    @staticmethod
+    def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D,
+                dt_rank, cast_dtype):
+        from hybridzoo.kernels.triton import launch
+
+        launch.require_usable("causal_conv1d", xz.device, xz, conv_weight, conv_bias)
+        with torch.autocast(xz.device.type, enabled=False):
+            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, x_proj_weight,
+                                                          dt_proj_weight, A_log, dt_rank, cast_dtype)
+            n = A.shape[1]
+            _, B, C = x_dbl.split([dt_rank, n, n], dim=-1)
+            z = xz[..., xz.shape[-1] // 2:]
+            y, final, saved = selective_scan_saved(u, delta, A, B, C, D, z, dt_proj_bias, True, None,
+                                                   backend="triton")
+        width = conv_weight.shape[1]
+        tail = xz[:, xz.shape[1] - (width - 1):, :xz.shape[-1] // 2].clone()
+        # the projections' weights as the forward used them (cast once: the backward reuses them)
+        wx, wdt = _casts(cast_dtype, x_proj_weight, dt_proj_weight)
+        ctx.save_for_backward(xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved)
+        ctx.dt_rank, ctx.weight_dtypes = dt_rank, (x_proj_weight.dtype, dt_proj_weight.dtype)
+        ctx.set_materialize_grads(False)
+        return y, tail, final
+
+    @staticmethod
+    def _projections(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A_log, dt_rank, cast_dtype):
+        """The conv's output ``u``, ``x_proj(u)``, the step sizes before their bias and softplus, and A."""
+        from hybridzoo.kernels.triton.conv import _token_rows, conv_forward
+
+        x_in = xz[..., :xz.shape[-1] // 2]
+        u = conv_forward(_token_rows(x_in), conv_weight.contiguous(),
+                         None if conv_bias is None else conv_bias.contiguous(), None, True)
+        wx, wdt = _casts(cast_dtype, x_proj_weight, dt_proj_weight)
+        x_dbl = F.linear(u, wx)
+        delta = F.linear(x_dbl[..., :dt_rank], wdt)
+        A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))
+        return u, x_dbl, delta, A
+
+    @staticmethod
+    def backward(ctx, dy, dtail, dfinal):
+        from hybridzoo.kernels.triton.conv import _token_rows, conv_grads
+
+        xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved = ctx.saved_tensors
+        r = ctx.dt_rank
+        with torch.autocast(xz.device.type, enabled=False):
+            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, wx, wdt, A_log, r, None)
+            n = A.shape[1]
+            dt, B, C = x_dbl.split([r, n, n], dim=-1)
+            half = xz.shape[-1] // 2
+            x_in, z = xz[..., :half], xz[..., half:]
+            du, ddelta, dA, dB, dC, dD, dz, dbias, _ = selective_scan_grads(
+                u, delta, A, B, C, D, z, dt_proj_bias, None, saved, dy, dfinal, delta_softplus=True,
+                backend="triton")
+            # delta = dt @ wdt^T; x_dbl = [dt, B, C] = u @ wx^T
+            ddt = ddelta @ wdt
+            dwdt = ddelta.reshape(-1, ddelta.shape[-1]).mT @ dt.reshape(-1, r)
+            dx_dbl = torch.cat([ddt, dB, dC], dim=-1)
+            du = du + dx_dbl @ wx
+            dwx = dx_dbl.reshape(-1, dx_dbl.shape[-1]).mT @ u.reshape(-1, u.shape[-1])
+            conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
+            dx_in, dconv_weight, dconv_bias, _ = conv_grads(_token_rows(x_in), conv_weight.contiguous(),
+                                                            conv_bias_c, None, True, du)
+            if dtail is not None:  # the tail is a copy of x_in's last W - 1 tokens
+                keep = dtail.shape[1]
+                dx_in[:, dx_in.shape[1] - keep:] += dtail
+            dxz = torch.cat([dx_in, dz], dim=-1)
+        # the weights' gradients in their own dtype, as autograd's cast backward gives them
+        return (dxz, dconv_weight, dconv_bias, dwx.to(ctx.weight_dtypes[0]), dwdt.to(ctx.weight_dtypes[1]),
+                dbias, dA * A, dD, None, None)
