@@ -36,10 +36,6 @@ def fused_inner_backend(backend: str, device: torch.device) -> bool:
     return True
 
 
-def _casts(dtype: torch.dtype | None, *weights: torch.Tensor) -> list[torch.Tensor]:
-    return [w if dtype is None else w.to(dtype) for w in weights]
-
-
 class Mamba1Inner(torch.autograd.Function):
     """``(y, conv_tail, final_state) = Mamba1Inner.apply(xz, conv_weight, conv_bias, x_proj_weight,
     dt_proj_weight, dt_proj_bias, A_log, D, dt_rank, cast_dtype)``.
@@ -65,9 +61,12 @@ class Mamba1Inner(torch.autograd.Function):
         from hybridzoo.kernels.triton import launch
 
         launch.require_usable("causal_conv1d", xz.device, xz, conv_weight, conv_bias)
+        # the projections' weights as F.linear under autocast would use them, cast once: the
+        # backward reuses them
+        wx, wdt = (x_proj_weight, dt_proj_weight) if cast_dtype is None else (
+            x_proj_weight.to(cast_dtype), dt_proj_weight.to(cast_dtype))
         with torch.autocast(xz.device.type, enabled=False):
-            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, x_proj_weight,
-                                                          dt_proj_weight, A_log, dt_rank, cast_dtype)
+            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, wx, wdt, A_log, dt_rank)
             n = A.shape[1]
             _, B, C = x_dbl.split([dt_rank, n, n], dim=-1)
             z = xz[..., xz.shape[-1] // 2:]
@@ -75,22 +74,20 @@ class Mamba1Inner(torch.autograd.Function):
                                                    backend="triton")
         width = conv_weight.shape[1]
         tail = xz[:, xz.shape[1] - (width - 1):, :xz.shape[-1] // 2].clone()
-        # the projections' weights as the forward used them (cast once: the backward reuses them)
-        wx, wdt = _casts(cast_dtype, x_proj_weight, dt_proj_weight)
         ctx.save_for_backward(xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved)
         ctx.dt_rank, ctx.weight_dtypes = dt_rank, (x_proj_weight.dtype, dt_proj_weight.dtype)
         ctx.set_materialize_grads(False)
         return y, tail, final
 
     @staticmethod
-    def _projections(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A_log, dt_rank, cast_dtype):
-        """The conv's output ``u``, ``x_proj(u)``, the step sizes before their bias and softplus, and A."""
+    def _projections(xz, conv_weight, conv_bias, wx, wdt, A_log, dt_rank):
+        """The conv's output ``u``, ``x_proj(u)`` (weight ``wx``), the step sizes before their bias
+        and softplus (weight ``wdt``), and A."""
         from hybridzoo.kernels.triton.conv import _token_rows, conv_forward
 
         x_in = xz[..., :xz.shape[-1] // 2]
         u = conv_forward(_token_rows(x_in), conv_weight.contiguous(),
                          None if conv_bias is None else conv_bias.contiguous(), None, True)
-        wx, wdt = _casts(cast_dtype, x_proj_weight, dt_proj_weight)
         x_dbl = F.linear(u, wx)
         delta = F.linear(x_dbl[..., :dt_rank], wdt)
         A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))
@@ -103,7 +100,7 @@ class Mamba1Inner(torch.autograd.Function):
         xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved = ctx.saved_tensors
         r = ctx.dt_rank
         with torch.autocast(xz.device.type, enabled=False):
-            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, wx, wdt, A_log, r, None)
+            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, wx, wdt, A_log, r)
             n = A.shape[1]
             dt, B, C = x_dbl.split([r, n, n], dim=-1)
             half = xz.shape[-1] // 2
