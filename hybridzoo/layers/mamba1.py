@@ -162,12 +162,11 @@ class Mamba1(Mixer):
             y, conv_tail, recurrent = Mamba1Inner.apply(
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                 self.dt_proj.bias, self.A_log, self.D, self.dt_rank, cast)
-            out = self.out_proj(y.to(activation_dtype(x)))
-            return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=x.shape[1])
-        tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                   self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
-                   None if state is None else state.recurrent)
-        y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
+        else:
+            tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                       self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
+                       None if state is None else state.recurrent)
+            y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)

@@ -9,6 +9,7 @@ import torch
 
 from hybridzoo.layers.mamba1 import Mamba1, Mamba1Config
 from hybridzoo.layers.state import RecurrentState
+from hybridzoo.memory import _graph_nodes
 from hybridzoo.utils import rel_err
 
 D_MODEL = 16
@@ -16,15 +17,7 @@ D_MODEL = 16
 
 def nodes(tensor: torch.Tensor) -> set[str]:
     """The names of the autograd nodes behind ``tensor``."""
-    seen, names, stack = set(), set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(n for n, _ in node.next_functions)
-    return names
+    return {type(node).__name__ for node in _graph_nodes([tensor.grad_fn])}
 
 
 def step(mixer: Mamba1, x: torch.Tensor, state: RecurrentState | None = None, autocast: bool = False):
