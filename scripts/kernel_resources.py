@@ -221,6 +221,11 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  # the 8-token backward with its inputs loaded a block ahead: 8 B with Triton 3.9,
                  # none with 3.7.1 (168 registers with both)
                  "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=4 warps=1": 16,
+                 # with z, dz, B and C read at their own token strides (a slice of a wider tensor):
+                 # its 8-wide 2-warp candidate 4 B, and the 4-wide 8-warp tile at N = 64 12 B with
+                 # Triton 3.7.1 (none with 3.6 and 3.9)
+                 "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=8 warps=2": 8,
+                 "selective_scan _bwd_kernel N=64 BLOCK_T=8 BLOCK_D=4 warps=8": 16,
                  # 16-token blocks with the inputs a block ahead (only where BWD_BLOCK_T = 16 and
                  # BWD_PREFETCH = True are set): 8 to 68 B uncapped, 516 and 488 B capped (Triton
                  # 3.7.1, 3.9), with the step sizes read as float32 (selective_scan.BWD_DT_GIVEN)
@@ -241,7 +246,7 @@ def elementwise_settings():
     scan = importlib.import_module("hybridzoo.kernels.triton.selective_scan")
     bf16 = {"x_ptr", "w_ptr", "bias_ptr", "s0_ptr", "dy_ptr", "dx_ptr", "ds0_ptr", "y_ptr", "u_ptr", "delta_ptr",
             "B_ptr", "C_ptr", "z_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
-    ints = {"T", "DM", "NTB", "SX", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC"}
+    ints = {"T", "DM", "NTB", "SX", "SDX", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC", "ZS", "DZS", "BCS"}
 
     def types(kernel, constexprs):
         return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridzoo.kernels import selective_scan_grads, selective_scan_saved
+from hybridzoo.kernels import selective_scan_saved
 from hybridzoo.layers.state import state_dtype
 
 __all__ = ["Mamba1Inner", "fused_inner_backend"]
@@ -83,10 +83,11 @@ class Mamba1Inner(torch.autograd.Function):
     def _projections(xz, conv_weight, conv_bias, wx, wdt, A_log, dt_rank):
         """The conv's output ``u``, ``x_proj(u)`` (weight ``wx``), the step sizes before their bias
         and softplus (weight ``wdt``), and A."""
-        from hybridzoo.kernels.triton.conv import _token_rows, conv_forward
+        from hybridzoo.kernels.triton import launch
+        from hybridzoo.kernels.triton.conv import conv_forward
 
         x_in = xz[..., :xz.shape[-1] // 2]
-        u = conv_forward(_token_rows(x_in), conv_weight.contiguous(),
+        u = conv_forward(launch.token_rows(x_in), conv_weight.contiguous(),
                          None if conv_bias is None else conv_bias.contiguous(), None, True)
         x_dbl = F.linear(u, wx)
         delta = F.linear(x_dbl[..., :dt_rank], wdt)
@@ -95,7 +96,9 @@ class Mamba1Inner(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dtail, dfinal):
-        from hybridzoo.kernels.triton.conv import _token_rows, conv_grads
+        from hybridzoo.kernels.triton import launch
+        from hybridzoo.kernels.triton.conv import conv_grads
+        from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as scan_grads
 
         xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved = ctx.saved_tensors
         r = ctx.dt_rank
@@ -105,9 +108,11 @@ class Mamba1Inner(torch.autograd.Function):
             dt, B, C = x_dbl.split([r, n, n], dim=-1)
             half = xz.shape[-1] // 2
             x_in, z = xz[..., :half], xz[..., half:]
-            du, ddelta, dA, dB, dC, dD, dz, dbias, _ = selective_scan_grads(
+            # xz's gradient in one buffer: the scan writes the gate half, the conv the other
+            dxz = launch.empty(xz.shape, xz.dtype, xz.device)
+            du, ddelta, dA, dB, dC, dD, _, dbias, _ = scan_grads(
                 u, delta, A, B, C, D, z, dt_proj_bias, None, saved, dy, dfinal, delta_softplus=True,
-                backend="triton")
+                dz_out=dxz[..., half:])
             # delta = dt @ wdt^T; x_dbl = [dt, B, C] = u @ wx^T
             ddt = ddelta @ wdt
             dwdt = ddelta.reshape(-1, ddelta.shape[-1]).mT @ dt.reshape(-1, r)
@@ -115,12 +120,11 @@ class Mamba1Inner(torch.autograd.Function):
             du = du + dx_dbl @ wx
             dwx = dx_dbl.reshape(-1, dx_dbl.shape[-1]).mT @ u.reshape(-1, u.shape[-1])
             conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
-            dx_in, dconv_weight, dconv_bias, _ = conv_grads(_token_rows(x_in), conv_weight.contiguous(),
-                                                            conv_bias_c, None, True, du)
+            dx_in, dconv_weight, dconv_bias, _ = conv_grads(launch.token_rows(x_in), conv_weight.contiguous(),
+                                                            conv_bias_c, None, True, du, dx_out=dxz[..., :half])
             if dtail is not None:  # the tail is a copy of x_in's last W - 1 tokens
                 keep = dtail.shape[1]
                 dx_in[:, dx_in.shape[1] - keep:] += dtail
-            dxz = torch.cat([dx_in, dz], dim=-1)
         # the weights' gradients in their own dtype, as autograd's cast backward gives them
         return (dxz, dconv_weight, dconv_bias, dwx.to(ctx.weight_dtypes[0]), dwdt.to(ctx.weight_dtypes[1]),
                 dbias, dA * A, dD, None, None)

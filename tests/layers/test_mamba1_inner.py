@@ -105,3 +105,36 @@ def test_other_calls_take_the_general_path(case):
     _, final, graph, grads = step(mixer, x, state)
     assert "Mamba1InnerBackward" not in graph
     assert all(g is not None for g in grads.values())
+
+
+def test_no_copy_of_the_gate_or_b_c_and_xz_gradient_in_one_buffer(monkeypatch):
+    """The scan reads z (the gate half of ``in_proj``'s output) and B, C (columns of ``x_proj``'s)
+    in place, and the backward writes the scan's dz and the conv's dx into the halves of one
+    ``[B, T, 2·d_inner]`` buffer: no aten op copies a per-token tensor (only the conv tail
+    ``[B, W-1, d_inner]`` is cloned) and none concatenates xz's gradient (the one concatenation
+    is the small ``[dt, B, C]`` gradient of ``x_proj``'s output). Kernel launches are
+    skipped (their values do not matter here), every aten op recorded with its output's shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", lambda self, *a, **k: None)
+    mixer = build()
+    batch, length = 2, 11
+    seen: list[tuple[str, tuple]] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append((str(func.overloadpacket), tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+            return out
+
+    x = torch.randn(batch, length, D_MODEL, requires_grad=True)
+    with Ops():
+        y, final = mixer.mix(x, None)
+        (y.sum() + final.recurrent.sum() + final.conv.sum()).backward()
+    assert "Mamba1InnerBackward" in nodes(y)
+    copies = [(op, shape) for op, shape in seen if op in ("aten.clone", "aten.copy_") and shape[:2] == (batch, length)]
+    assert copies == [], copies
+    joined = [shape for op, shape in seen if op == "aten.cat" and shape == (batch, length, 2 * mixer.d_inner)]
+    assert joined == [], joined
+    assert ("aten.clone", (batch, mixer.config.d_conv - 1, mixer.d_inner)) in seen  # the tail: the test sees clones

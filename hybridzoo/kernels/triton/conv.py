@@ -133,7 +133,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, NTB,
+    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, SDX, NTB,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -148,7 +148,7 @@ def _bwd_kernel(
         w_i = tl.load(w_ptr + d * W + i, mask=dmask, other=0.0).to(tl.float32)
         dx += w_i[None, :] * _dpre(x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, b, s + (W - 1 - i), d, dmask, T, DM,
                                    SX, W, HAS_BIAS, HAS_S0, SILU, BLOCK_T, BLOCK_D)
-    tl.store(dx_ptr + (b * T + s)[:, None] * DM + d[None, :], dx, mask=((s >= 0) & (s < T))[:, None] & dmask[None, :])
+    tl.store(dx_ptr + (b * T + s)[:, None] * SDX + d[None, :], dx, mask=((s >= 0) & (s < T))[:, None] & dmask[None, :])
     if HAS_S0:
         tl.store(ds0_ptr + (b * (W - 1) + (W - 1) + s)[:, None] * DM + d[None, :], dx,
                  mask=(s < 0)[:, None] & dmask[None, :])
@@ -179,7 +179,7 @@ def _pick(k: tl.constexpr, v0, v1, v2, v3):
 
 @triton.jit
 def _bwd_seq_kernel(
-    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, NCH,
+    x_ptr, w_ptr, bias_ptr, s0_ptr, dy_ptr, dx_ptr, ds0_ptr, dw_ptr, db_ptr, T, DM, SX, SDX, NCH,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_S0: tl.constexpr, SILU: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
 ):
@@ -236,7 +236,7 @@ def _bwd_seq_kernel(
                 dx += _pick(k, v0, v1, v2, v3) * _pick(W - 1 - k, p0, p1, p2, p3)
             s = t - (W - 1)
             own = t >= t0  # steps before t0 replay the chunk before's
-            tl.store(dx_ptr + (b * T + s) * DM + d, dx, mask=dmask & own & (s >= 0) & (s < T))
+            tl.store(dx_ptr + (b * T + s) * SDX + d, dx, mask=dmask & own & (s >= 0) & (s < T))
             if HAS_S0:
                 tl.store(ds0_ptr + (b * (W - 1) + (W - 1) + s) * DM + d, dx, mask=dmask & own & (s < 0))
             pk = tl.where(own, p0, 0.0)
@@ -263,21 +263,10 @@ _bwd_seq = launch.autotuned(_bwd_seq_kernel, SEQ_CONFIGS, TUNE_KEY)
 _bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY)
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [B, T, Dm]`` as the kernels read it: channels adjacent and every token ``x.stride(1)``
-    elements after the one before it, across sequences too. A slice of the channels of a wider
-    tensor (Mamba's ``x`` half of ``in_proj``'s output) is read in place; anything else is copied
-    contiguous."""
-    batch, length, dm = x.shape
-    if x.stride(2) == 1 and x.stride(1) >= dm and (batch == 1 or x.stride(0) == length * x.stride(1)):
-        return x
-    return x.contiguous()
-
-
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  initial_state: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """The conv's output ``y [B, T, Dm]`` in x.dtype, no autograd graph: x ``[B, T, Dm]``
-    (:func:`_token_rows`), weight ``[Dm, W]``, bias ``[Dm]`` or None, initial_state
+    (read in place where :func:`~hybridzoo.kernels.triton.launch.row_stride` allows), weight ``[Dm, W]``, bias ``[Dm]`` or None, initial_state
     ``[B, W-1, Dm]`` or None, the last three contiguous."""
     batch, length, dm = x.shape
     width = weight.shape[1]
@@ -285,19 +274,28 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     launch.run(
         _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
         x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
-        length, dm, x.stride(1), W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None, SILU=silu,
-        fixed=_fixed("fwd"),
+        length, dm, launch.row_stride(x), W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
+        SILU=silu, fixed=_fixed("fwd"),
     )
     return y
 
 
 def conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               initial_state: torch.Tensor | None, silu: bool, dy: torch.Tensor) -> tuple:
+               initial_state: torch.Tensor | None, silu: bool, dy: torch.Tensor,
+               dx_out: torch.Tensor | None = None) -> tuple:
     """The backward of :func:`conv_forward` (the same inputs) from ``dy [B, T, Dm]``:
-    ``(dx in x.dtype, dweight, dbias or None, dinitial_state or None)``."""
+    ``(dx in x.dtype, dweight, dbias or None, dinitial_state or None)``. ``dx_out``: where to
+    write dx (``[B, T, Dm]`` in x.dtype, tokens as evenly spaced rows: e.g. a slice of the
+    channels of a wider gradient), returned as dx; None: a new tensor."""
     batch, length, dm = x.shape
     width = weight.shape[1]
-    dx = launch.empty(x.shape, x.dtype, x.device)
+    if dx_out is None:
+        dx = launch.empty(x.shape, x.dtype, x.device)
+    elif dx_out.shape != x.shape or dx_out.dtype != x.dtype or launch.row_stride(dx_out) is None:
+        raise ValueError(f"conv_grads: dx_out must be a {tuple(x.shape)} {x.dtype} tensor with evenly spaced "
+                         f"tokens, got {tuple(dx_out.shape)} {dx_out.dtype} with strides {dx_out.stride()}")
+    else:
+        dx = dx_out
     ds0 = None if initial_state is None else launch.empty(initial_state.shape, initial_state.dtype, x.device)
     seq = width <= SEQ_MAX_WIDTH
     kernel, configs, span = (_bwd_seq, SEQ_CONFIGS, "CHUNK") if seq else (_bwd, BWD_CONFIGS, "BLOCK_T")
@@ -311,7 +309,7 @@ def conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         kernel, lambda a: (batch, triton.cdiv(length + width - 1, a[span]), triton.cdiv(dm, a["BLOCK_D"])),
         x, weight, x if bias is None else bias, x if initial_state is None else initial_state,
         dy.contiguous(), dx, dx if ds0 is None else ds0, dw, dw if db is None else db,
-        length, dm, x.stride(1), rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
+        length, dm, launch.row_stride(x), launch.row_stride(dx), rows, W=width, HAS_BIAS=bias is not None, HAS_S0=initial_state is not None,
         SILU=silu, fixed=fixed,
     )
     filled = triton.cdiv(length + width - 1, used[span])
@@ -321,7 +319,7 @@ def conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class _CausalConv1dFn(torch.autograd.Function):
-    """x ``[B, T, Dm]`` (:func:`_token_rows`), weight ``[Dm, W]``, bias, initial_state
+    """x ``[B, T, Dm]`` (read in place where :func:`~hybridzoo.kernels.triton.launch.row_stride` allows), weight ``[Dm, W]``, bias, initial_state
     ``[B, W-1, Dm]``, the last three contiguous."""
 
     @staticmethod
@@ -367,7 +365,7 @@ def causal_conv1d(
     if length == 0:
         y = x.new_empty(x.shape)
     else:
-        y = _CausalConv1dFn.apply(_token_rows(x), weight.contiguous(),
+        y = _CausalConv1dFn.apply(launch.token_rows(x), weight.contiguous(),
                                   None if bias is None else bias.contiguous(), state, activation == "silu")
     final_state = None
     if output_final_state:  # the last W-1 inputs of cat(initial_state, x): an exact copy

@@ -337,6 +337,29 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def row_stride(x: torch.Tensor) -> int | None:
+    """Elements from one token of ``x [B, T, ...]`` to the next, across sequences too, where a
+    kernel can read its tokens as evenly spaced rows: the dims after T dense (a slice of the
+    channels of a wider tensor qualifies, as Mamba's halves of ``in_proj``'s output and the B and
+    C columns of ``x_proj``'s do). None where the tokens are not evenly spaced (then copy it)."""
+    shape, strides = x.shape, x.stride()
+    width = 1
+    for k in range(len(shape) - 1, 1, -1):
+        if shape[k] != 1 and strides[k] != width:
+            return None
+        width *= shape[k]
+    batch, length = shape[0], shape[1]
+    step = strides[1] if length > 1 else (strides[0] if batch > 1 else width)
+    if step < width or (batch > 1 and length > 1 and strides[0] != length * step):
+        return None
+    return step
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where :func:`row_stride` can read it in place, else a contiguous copy."""
+    return x if row_stride(x) is not None else x.contiguous()
+
+
 def sum_head_groups(x: torch.Tensor, hk: int, dtype: torch.dtype) -> torch.Tensor:
     """``x [B, T, H, D]`` (a gradient per value head) -> ``[B, T, hk, D]`` in ``dtype``: the sum
     over the ``H // hk`` value heads that share each q/k head. With ``H == hk`` only the cast

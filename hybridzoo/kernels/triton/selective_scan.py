@@ -280,11 +280,11 @@ def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
-def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G,
+def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS,
                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DT_GIVEN: tl.constexpr):
     """Rows ``t`` of one time block: ``(mask, offsets, u, Δ, B's offsets, their mask, B)``,
     float32; Δ = 0 past T (a = 1, b = 0). With ``DT_GIVEN`` Δ is read from ``dt_ptr``
-    (:func:`_dt_kernel`)."""
+    (:func:`_dt_kernel`). ``BCS``: elements from one token of B (and C) to the next."""
     tmask = t < T
     m2 = tmask[:, None] & dmask[None, :]
     off = (b * T + t)[:, None] * DM + d[None, :]
@@ -293,7 +293,7 @@ def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, n
         dt = tl.load(dt_ptr + off, mask=m2, other=0.0)
     else:
         dt, _ = _step_sizes(tl.load(delta_ptr + off, mask=m2, other=0.0), bias, m2, HAS_BIAS, SOFTPLUS)
-    bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+    bc_off = (b * T + t)[:, None] * BCS + (g * N + n)[None, :]
     bc_mask = tmask[:, None] & nmask[None, :]
     Bt = tl.load(B_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
     return m2, off, u, dt, bc_off, bc_mask, Bt
@@ -341,7 +341,7 @@ def _adjoint_scan(dt_next, A, dy0, Ct, carry, rows):
 def _fwd_kernel(
     u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
     y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS, NBC,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, NBC, ZS, BCS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -354,7 +354,7 @@ def _fwd_kernel(
     ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``). With
     ``STORE_CKPT`` the state entering every ``CKPT_T`` tokens (``CKPT_T`` divides ``BLOCK_T``) goes
     to ``ckpt [B, NBC, Dm, N]``. With ``DT_GIVEN`` the step sizes are read from ``dt_ptr``
-    (:func:`_dt_kernel`)."""
+    (:func:`_dt_kernel`). ``ZS``, ``BCS``: elements from one token of z, of B and C, to the next."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     if HAS_D:
@@ -378,7 +378,7 @@ def _fwd_kernel(
             tl.store(ckpt_ptr + (b * NBC + blk * (BLOCK_T // CKPT_T)) * DM * N + dn, h, mask=dn_mask & (blk < NB))
         t = blk * BLOCK_T + rows
         m2, off, u, dt, bc_off, bc_mask, Bt = _block_inputs(
-            u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
+            u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS, HAS_BIAS, SOFTPLUS,
             DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         hs, x = _block_states(u, dt, Bt, A, h)  # states of the block's tokens, on chip only
@@ -391,7 +391,7 @@ def _fwd_kernel(
         if HAS_D:
             y += Dv[None, :] * u
         if HAS_Z:
-            zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            zv = tl.load(z_ptr + (off + (b * T + t)[:, None] * (ZS - DM)), mask=m2, other=0.0).to(tl.float32)
             y = y * zv * tl.sigmoid(zv)
         tl.store(y_ptr + off, y, mask=m2)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
@@ -401,7 +401,7 @@ def _fwd_kernel(
 @triton.jit
 def _fwd_carry_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, bias_ptr, hl_ptr, sdt_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, BCS,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NB_LOOP: tl.constexpr,
 ):
@@ -416,7 +416,7 @@ def _fwd_carry_kernel(
     for i in tl.range(0, NB_LOOP if NB_LOOP > 0 else BPS):
         t = (seg * BPS + i) * BLOCK_T + rows
         m2, off, u, dt, bc_off, bc_mask, Bt = _block_inputs(
-            u_ptr, delta_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, G, HAS_BIAS, SOFTPLUS,
+            u_ptr, delta_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS, HAS_BIAS, SOFTPLUS,
             False)
         hs, x = _block_states(u, dt, Bt, A, h)
         h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
@@ -426,26 +426,27 @@ def _fwd_carry_kernel(
 
 
 @triton.jit
-def _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T: tl.constexpr):
+def _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, BCS, BLOCK_T: tl.constexpr):
     """Time block ``blk``'s rows ``t``, the mask and offsets of its ``[BLOCK_T, BLOCK_D]`` tiles of
-    ``[B, T, Dm]`` tensors, and those of its ``[BLOCK_T, BLOCK_N]`` tiles of B and C."""
+    contiguous ``[B, T, Dm]`` tensors, and those of its ``[BLOCK_T, BLOCK_N]`` tiles of a
+    ``[B, T, G, N]`` tensor whose tokens are ``BCS`` elements apart."""
     t = blk * BLOCK_T + rows
     tmask = t < T
-    bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+    bc_off = (b * T + t)[:, None] * BCS + (g * N + n)[None, :]
     return (t, tmask[:, None] & dmask[None, :], (b * T + t)[:, None] * DM + d[None, :], bc_off,
             tmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n, nmask, dn,
-               dn_mask, rows, T, DM, N, G, NB, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, DT_GIVEN: tl.constexpr,
+               dn_mask, rows, T, DM, N, NB, ZS, BCS, HAS_Z: tl.constexpr, HAS_DY: tl.constexpr, DT_GIVEN: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Time block ``blk``'s inputs to :func:`_bwd_kernel`, as loaded (each in its own dtype):
     ``(u, step, step one token on, B, C, dy (float32, zeros when absent), z, the saved state
     entering the block)``; zeros past T. ``step`` is ``delta`` as stored or, with ``DT_GIVEN``,
     the step size Δ read from ``dt_ptr`` (float32, :func:`_dt_kernel`); then ``delta`` is read
     only where the softplus's derivative needs it (in :func:`_bwd_block`)."""
-    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
+    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, BCS, BLOCK_T)
     u = tl.load(u_ptr + off, mask=m2, other=0.0)
     if DT_GIVEN:
         step = tl.load(dt_ptr + off, mask=m2, other=0.0)
@@ -457,7 +458,7 @@ def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_
     Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0)
     dy = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
     if HAS_Z:
-        zv = tl.load(z_ptr + off, mask=m2, other=0.0)
+        zv = tl.load(z_ptr + (off + (b * T + t)[:, None] * (ZS - DM)), mask=m2, other=0.0)
     else:
         zv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     h_start = tl.load(ckpt_ptr + (b * NB + blk) * DM * N + dn, mask=dn_mask & (blk < NB), other=0.0)
@@ -466,14 +467,15 @@ def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_
 
 @triton.jit
 def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
-               b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+               b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G, DZS,
                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                DT_GIVEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """One time block ``blk`` of :func:`_bwd_kernel` from its inputs (:func:`_bwd_loads`):
     recompute its states from the saved one, run the adjoint back from ``carry`` (the adjoint at
     the next block's first token), store du, d(delta), dz, add to dB and dC; returns ``(carry at
-    this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added."""
-    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G, BLOCK_T)
+    this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added. dB and dC
+    are contiguous ``[B, T, G, N]``; dz's tokens are ``DZS`` elements apart."""
+    t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G * N, BLOCK_T)
     u = u.to(tl.float32)
     if DT_GIVEN:  # step and step_next are Δ and Δ one token on (zero past T)
         dt = step
@@ -495,7 +497,7 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
         if HAS_D:
             y0 += Dv[None, :] * u
         sz = tl.sigmoid(zv)
-        tl.store(dz_ptr + off, dy * y0 * sz * (1.0 + zv * (1.0 - sz)), mask=m2)
+        tl.store(dz_ptr + (off + (b * T + t)[:, None] * (DZS - DM)), dy * y0 * sz * (1.0 + zv * (1.0 - sz)), mask=m2)
         dy0 = dy * zv * sz
     else:
         dy0 = dy
@@ -525,7 +527,7 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
 def _bwd_kernel(
     u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr, gl_ptr, sdtn_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, ZS, DZS, BCS,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
@@ -536,7 +538,8 @@ def _bwd_kernel(
     (:func:`_dt_kernel`) instead of computed from ``delta`` in the loop. With ``SEGMENTED`` the adjoint entering the segment from after it
     is folded from the segments after it: ``g ← gl_s' + exp(A ΣΔ'_s') g``
     (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
-    (batch, segment), summed in torch."""
+    (batch, segment), summed in torch. ``ZS``, ``DZS``, ``BCS``: elements from one token of z, of
+    dz, of B and C, to the next."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     Dv = _channel_values(D_ptr, d, dmask, HAS_D)
@@ -559,21 +562,21 @@ def _bwd_kernel(
     last = tl.minimum(NB, first + BPS) - 1
     if PREFETCH:  # each block's inputs are loaded during the block after it (the one before in this loop)
         nxt = _bwd_loads(last, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n,
-                         nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
+                         nmask, dn, dn_mask, rows, T, DM, N, NB, ZS, BCS, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
     blk = last
     while blk >= first:  # this segment's time blocks in reverse
         if PREFETCH:
             cur = nxt
             nxt = _bwd_loads(tl.maximum(blk - 1, first), u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr,
-                             dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY,
-                             DT_GIVEN, BLOCK_T, BLOCK_D)
+                             dy_ptr, b, g, d, dmask, n, nmask, dn, dn_mask, rows, T, DM, N, NB, ZS, BCS, HAS_Z,
+                             HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
         else:
             cur = _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_ptr, b, g, d, dmask, n,
-                             nmask, dn, dn_mask, rows, T, DM, N, G, NB, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
+                             nmask, dn, dn_mask, rows, T, DM, N, NB, ZS, BCS, HAS_Z, HAS_DY, DT_GIVEN, BLOCK_T, BLOCK_D)
         u, step, step_next, Bt, Ct, dy, zv, h_start = cur
         carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
             blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
-            b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G,
+            b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G, DZS,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, DT_GIVEN, BLOCK_T)
         blk -= 1
     # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
@@ -593,7 +596,7 @@ def _bwd_kernel(
 @triton.jit
 def _bwd_carry_kernel(
     delta_ptr, A_ptr, C_ptr, z_ptr, bias_ptr, dy_ptr, gl_ptr, sdtn_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, ZS, BCS,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_DY: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -616,9 +619,9 @@ def _bwd_carry_kernel(
         off = (b * T + t)[:, None] * DM + d[None, :]
         dy0 = _rows_or_zeros(dy_ptr, off, m2, HAS_DY, BLOCK_T, BLOCK_D)
         if HAS_Z:
-            zv = tl.load(z_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            zv = tl.load(z_ptr + (off + (b * T + t)[:, None] * (ZS - DM)), mask=m2, other=0.0).to(tl.float32)
             dy0 = dy0 * zv * tl.sigmoid(zv)
-        bc_off = ((b * T + t) * G + g)[:, None] * N + n[None, :]
+        bc_off = (b * T + t)[:, None] * BCS + (g * N + n)[None, :]
         Ct = tl.load(C_ptr + bc_off, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         _, carry, dt_next = _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, rows,
                                            HAS_BIAS, SOFTPLUS)
@@ -718,11 +721,32 @@ def _step_size_buffer(delta, delta_bias, softplus):
     return dt
 
 
+def _strides(z, B, C) -> tuple[int, int]:
+    """The token strides the kernels read z (``ZS``; any value without z) and B and C (``BCS``)
+    with: inputs as :func:`_prepared` gives them."""
+    bcs = launch.row_stride(B)
+    if bcs is None or launch.row_stride(C) != bcs:
+        raise ValueError("selective_scan (triton): B and C must be read with one token stride (see _prepared)")
+    return (B.shape[2] * B.shape[3] if z is None else launch.row_stride(z)), bcs
+
+
+def _dz_buffer(dz_out, z):
+    """Check ``dz_out``, where the backward is to write z's gradient: z's shape and dtype, its
+    tokens evenly spaced (:func:`~hybridzoo.kernels.triton.launch.row_stride`)."""
+    if z is None or dz_out.shape != z.shape or dz_out.dtype != z.dtype or launch.row_stride(dz_out) is None:
+        got = "no z" if z is None else f"z {tuple(z.shape)} {z.dtype}"
+        raise ValueError(f"selective_scan_grads (triton): dz_out must be a tensor shaped and typed as z, with "
+                         f"evenly spaced tokens ({got}; dz_out {tuple(dz_out.shape)} {dz_out.dtype}, strides "
+                         f"{dz_out.stride()})")
+    return dz_out
+
+
 def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt):
     """Launch the forward on prepared inputs (:func:`_prepared`): ``(y, final, ckpt)``, ``ckpt`` the
     state entering each of the backward's time blocks ``[B, ceil(T / bwd_block_t), Dm, N]`` float32
     when ``store_ckpt``."""
     batch, length, dm = u.shape
+    zs, bcs = _strides(z, B, C)
     groups, n = B.shape[2], A.shape[1]
     per_group = dm // groups
     block_n = max(triton.next_power_of_2(n), 2)
@@ -741,7 +765,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
         launch.run(
             _fwd_carry_kernel, _grid_shape(batch, groups, per_group, segments),
             u, delta, A, B, u if delta_bias is None else delta_bias, hl, sdt,
-            length, dm, n, groups, per_group, n_blocks, segments, per,
+            length, dm, n, groups, per_group, n_blocks, segments, per, bcs,
             HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, BLOCK_T=cfg["block_t"], BLOCK_N=block_n,
             NB_LOOP=launch.loop_count(per), fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
         )
@@ -752,7 +776,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
         u, delta, delta if dt is None else dt, A, B, C, u if D is None else D, u if z is None else z,
         u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
         y, final, ckpt, hl, sdt,
-        length, dm, n, groups, per_group, n_blocks, segments, per, triton.cdiv(length, ckpt_t),
+        length, dm, n, groups, per_group, n_blocks, segments, per, triton.cdiv(length, ckpt_t), zs, bcs,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
         BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
@@ -762,10 +786,11 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
     return y, final, ckpt
 
 
-def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, initial_dtype):
+def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, initial_dtype, dz_out=None):
     """Launch the backward on prepared inputs and the forward's ``ckpt``: the gradients of
     ``(u, delta, A, B, C, D, z, delta_bias, initial_state)`` (None for a None input; the
-    initial state's in ``initial_dtype``, None when there was none)."""
+    initial state's in ``initial_dtype``, None when there was none). dz goes to ``dz_out`` where
+    given (z's shape and dtype, tokens evenly spaced: :func:`_dz_buffer`)."""
     cfg = _config(training=True, block_n=max(triton.next_power_of_2(A.shape[1]), 2))
     batch, length, dm = u.shape
     groups, n = B.shape[2], A.shape[1]
@@ -787,7 +812,9 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     prefetch = _prefetched(programs * segments, cfg, n, dev) if prefetch is None else bool(prefetch)
     du = launch.empty(u.shape, u.dtype, dev)
     ddelta = launch.empty(delta.shape, delta.dtype, dev)
-    dz = None if z is None else launch.empty(z.shape, z.dtype, dev)
+    dz = None if z is None else (launch.empty(z.shape, z.dtype, dev) if dz_out is None else dz_out)
+    zs, bcs = _strides(z, B, C)
+    dzs = dm if dz is None else launch.row_stride(dz)
     dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
     dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
     dA = launch.empty((batch, segments, dm, n), torch.float32, dev)  # per batch and segment, summed below
@@ -805,7 +832,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         launch.run(
             _bwd_carry_kernel, _grid_shape(batch, groups, per_group, segments),
             delta, A, C, u if z is None else z, u if delta_bias is None else delta_bias, u if dy is None else dy,
-            gl, sdtn, length, dm, n, groups, per_group, n_blocks, segments, per,
+            gl, sdtn, length, dm, n, groups, per_group, n_blocks, segments, per, zs, bcs,
             HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=softplus, HAS_DY=dy is not None,
             BLOCK_T=block_t, BLOCK_N=block_n,
             fixed=dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"]),
@@ -817,7 +844,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         u if dy is None else dy, u if dfinal is None else dfinal,
         du, ddelta, du if dz is None else dz, dB, dC, dA,
         dA if dD is None else dD, dA if dbias is None else dbias, dh0, gl, sdtn,
-        length, dm, n, groups, per_group, n_blocks, segments, per,
+        length, dm, n, groups, per_group, n_blocks, segments, per, zs, dzs, bcs,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, DT_GIVEN=dt is not None,
@@ -832,7 +859,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
 
 
 class _SelectiveScanFn(torch.autograd.Function):
-    """B, C arrive as ``[B, T, G, N]`` contiguous; everything else contiguous."""
+    """Inputs as :func:`_prepared` gives them (B, C ``[B, T, G, N]``)."""
 
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state):
@@ -852,15 +879,20 @@ class _SelectiveScanFn(torch.autograd.Function):
 
 
 def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str):
-    """The checks of the op and its inputs as the kernels take them: contiguous, B and C
-    ``[B, T, G, N]``; raises on float64 or a non-CUDA device outside the interpreter."""
+    """The checks of the op and its inputs as the kernels take them: B and C ``[B, T, G, N]``;
+    z, B and C read in place where their tokens are evenly spaced (a slice of the channels of a
+    wider tensor: Mamba's gate half of ``in_proj``'s output, the B and C columns of ``x_proj``'s;
+    B and C with one stride), everything else contiguous; raises on float64 or a non-CUDA device
+    outside the interpreter."""
     groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
     launch.require_usable(what, u.device, u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, length, _ = u.shape
     n = A.shape[1]
-    B4 = B.reshape(batch, length, groups, n).contiguous()
-    C4 = C.reshape(batch, length, groups, n).contiguous()
-    u_, delta_, A_, D_, z_, bias_ = (None if x is None else x.contiguous() for x in (u, delta, A, D, z, delta_bias))
+    B4, C4 = B.reshape(batch, length, groups, n), C.reshape(batch, length, groups, n)
+    if launch.row_stride(B4) is None or launch.row_stride(B4) != launch.row_stride(C4):
+        B4, C4 = B4.contiguous(), C4.contiguous()
+    u_, delta_, A_, D_, bias_ = (None if x is None else x.contiguous() for x in (u, delta, A, D, delta_bias))
+    z_ = None if z is None else launch.token_rows(z)
     state = None if initial_state is None else initial_state.contiguous()
     return u_, delta_, A_, B4, C4, D_, z_, bias_, state
 
@@ -926,16 +958,19 @@ def selective_scan_grads(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None, saved: torch.Tensor, dy: torch.Tensor | None,
-    dfinal: torch.Tensor | None, delta_softplus: bool = False,
+    dfinal: torch.Tensor | None, delta_softplus: bool = False, dz_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :func:`selective_scan` w.r.t. ``(u, delta, A, B, C, D, z, delta_bias,
     initial_state)`` from those of its outputs (``dy [B, T, Dm]``, ``dfinal [B, Dm, N]``; None
     means zero), given the same inputs and the ``saved`` block states of
     :func:`selective_scan_saved`. Each gradient comes in its input's dtype and shape (B and C as
-    given, ``[B, T, N]`` or ``[B, T, G, N]``), None for a None input."""
+    given, ``[B, T, N]`` or ``[B, T, G, N]``), None for a None input. ``dz_out``: where to write
+    z's gradient (z's shape and dtype, tokens evenly spaced, e.g. the gate half of ``in_proj``'s
+    gradient), returned as it; None: a new tensor."""
     prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_grads")
+    dz_out = None if dz_out is None else _dz_buffer(dz_out, z)
     with torch.no_grad():
         grads = list(_backward(*prepared[:8], bool(delta_softplus), saved.contiguous(), dy, dfinal,
-                               None if initial_state is None else initial_state.dtype))
+                               None if initial_state is None else initial_state.dtype, dz_out))
     grads[3], grads[4] = grads[3].reshape(B.shape), grads[4].reshape(C.shape)
     return tuple(grads)

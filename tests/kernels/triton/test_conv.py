@@ -96,15 +96,13 @@ def test_channel_slice_of_a_wider_tensor_is_read_in_place(width, batch):
     (one token every ``2·dm + 3`` elements). The kernels read it in place (no copy) and give the
     float64 loop's output and gradients, the gradient reaching the wide tensor at those channels
     only; a transposed view (channels not adjacent) is copied first and gives the same."""
-    from hybridzoo.kernels.triton.conv import _token_rows
-
     x = _inputs(batch=batch, length=19, dm=11, width=width, seed=20 + width)
     torch.manual_seed(21)
     wide = torch.randn(batch, 19, 2 * 11 + 3)
     wide[..., 11:22] = x["x"].float()
     wide.requires_grad_()
     sliced = wide[..., 11:22]
-    assert not sliced.is_contiguous() and _token_rows(sliced).data_ptr() == sliced.data_ptr()
+    assert not sliced.is_contiguous() and launch.token_rows(sliced).data_ptr() == sliced.data_ptr()
     ref_in = _leaves(x)
     rest = _leaves({k: v for k, v in x.items() if k != "x"}, torch.float32)
     y_ref, s_ref = _run(causal_conv1d_loop, ref_in, "silu")
@@ -120,8 +118,51 @@ def test_channel_slice_of_a_wider_tensor_is_read_in_place(width, batch):
     # the same op on a contiguous copy: bitwise the same output
     assert torch.equal(_run(causal_conv1d, dict(rest, x=sliced.detach().contiguous()), "silu")[0], y.detach())
     transposed = x["x"].float().transpose(0, 1).contiguous().transpose(0, 1)  # tokens of a sequence far apart
-    assert _token_rows(transposed).data_ptr() != transposed.data_ptr() or batch == 1
+    assert launch.token_rows(transposed).data_ptr() != transposed.data_ptr() or batch == 1
     assert rel_err(_run(causal_conv1d, dict(rest, x=transposed), "silu")[0], y_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("width", [4, 5])  # the step-ordered backward and the tiled one
+def test_grads_write_dx_where_asked(width):
+    """conv_grads' ``dx_out``: the input gradient goes into the given slice of a wider tensor
+    (Mamba-1's ``x`` half of xz's gradient), bitwise the gradient it returns otherwise; the slice
+    is returned, the other columns left as they were, and the weight, bias and tail gradients
+    are unchanged. A buffer of another shape or dtype, or with unevenly spaced tokens, is refused."""
+    from hybridzoo.kernels.triton.conv import conv_grads
+
+    x = {k: v.float() for k, v in _inputs(length=19, width=width, seed=40).items()}
+    torch.manual_seed(41)
+    dy = torch.randn_like(x["x"])
+    args = (x["x"], x["weight"], x["bias"], x["initial_state"], True, dy)
+    plain = conv_grads(*args)
+    wide = torch.full((2, 19, 2 * 11), 5.0)
+    into = conv_grads(*args, dx_out=wide[..., :11])
+    assert into[0].data_ptr() == wide.data_ptr()
+    assert torch.equal(wide[..., :11], plain[0]) and bool((wide[..., 11:] == 5.0).all())
+    for a, b in zip(plain[1:], into[1:]):
+        assert torch.equal(a, b)
+    for bad in (torch.empty(2, 19, 11, dtype=torch.bfloat16), torch.empty(2, 18, 11),
+                torch.empty(19, 2, 11).transpose(0, 1)):
+        with pytest.raises(ValueError, match="dx_out"):
+            conv_grads(*args, dx_out=bad)
+
+
+def test_row_stride_reads_evenly_spaced_tokens_only():
+    """launch.row_stride: the elements from one token to the next where the tokens of
+    ``[B, T, ...]`` are evenly spaced (across sequences too) and the dims after T dense; None
+    otherwise. A contiguous tensor always has one, even with odd strides on its size-1 dims."""
+    wide = torch.empty(3, 5, 20)
+    assert launch.row_stride(torch.empty(3, 5, 7)) == 7
+    assert launch.row_stride(wide[..., 4:11]) == 20  # a channel slice
+    assert launch.row_stride(wide[..., 4:12].reshape(3, 5, 2, 4)) == 20  # grouped columns
+    assert launch.row_stride(wide[:, 2:3, 4:11]) == 100  # one token a sequence: the sequences' stride
+    assert launch.row_stride(wide[:1, 2:3, 4:11]) == 7  # one token of one sequence: any stride
+    assert launch.row_stride(torch.empty(3, 1, 7).as_strided((3, 1, 7), (7, 99, 1))) == 7  # odd size-1 stride
+    assert launch.row_stride(torch.empty(5, 3, 7).transpose(0, 1)) is None  # a sequence's tokens far apart
+    assert launch.row_stride(wide[..., ::2]) is None  # channels not adjacent
+    assert launch.row_stride(torch.empty(1, 1, 7).expand(3, 5, 7)) is None  # tokens overlap
+    odd = torch.empty(3, 1, 7).as_strided((3, 1, 7), (7, 99, 1))
+    assert odd.is_contiguous() and launch.token_rows(odd) is odd
 
 
 def test_poisoned_outputs(monkeypatch):

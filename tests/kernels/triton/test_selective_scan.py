@@ -283,6 +283,104 @@ def test_saved_forward_and_its_grads_match_the_float64_loop(groups, with_state):
             assert rel_err(g, ref_in[name].grad) <= 1e-5, name
 
 
+@pytest.mark.parametrize("groups", [None, 2])
+def test_gate_and_b_c_columns_of_wider_tensors_are_read_in_place(groups):
+    """z as Mamba-1 passes it (channels ``[Dm, 2·Dm)`` of a ``[B, T, 2·Dm + 3]`` tensor) and B, C
+    as the columns of ``x_proj``'s output (``[B, T, 5 + 2·G·N]``). The op reads them in place (no
+    copy), gives the float64 loop's output and every gradient, the wide tensors' other columns
+    getting none, and bitwise the output and gradients of contiguous copies."""
+    from hybridzoo.kernels.triton.selective_scan import _prepared
+
+    x = _inputs(length=19, groups=groups, seed=31)
+    batch, length, dm = x["u"].shape
+    bc_shape, width = x["B"].shape, x["B"][0, 0].numel()
+    torch.manual_seed(32)
+    wide_z = torch.randn(batch, length, 2 * dm + 3, dtype=F64)
+    wide_z[..., dm:2 * dm] = x["z"]
+    dbl = torch.randn(batch, length, 5 + 2 * width, dtype=F64)
+    dbl[..., 5:5 + width] = x["B"].reshape(batch, length, width)
+    dbl[..., 5 + width:] = x["C"].reshape(batch, length, width)
+    wide_z, dbl = wide_z.float().requires_grad_(), dbl.float().requires_grad_()
+    z, B, C = wide_z[..., dm:2 * dm], dbl[..., 5:5 + width].reshape(bc_shape), dbl[..., 5 + width:].reshape(bc_shape)
+    rest = _leaves({k: v for k, v in x.items() if k not in ("z", "B", "C")}, torch.float32)
+    args = dict(rest, z=z, B=B, C=C)
+    prepared = _prepared(*(args[k] for k in NAMES), "selective_scan")
+    assert not z.is_contiguous() and not B.is_contiguous()
+    assert (prepared[6].data_ptr(), prepared[3].data_ptr(), prepared[4].data_ptr()) == (
+        z.data_ptr(), B.data_ptr(), C.data_ptr())
+    ref_in = _leaves(x)
+    y_ref, h_ref = _run(selective_scan_loop, ref_in)
+    y, h = _run(selective_scan, args)
+    assert rel_err(y, y_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+    torch.manual_seed(33)
+    gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+    ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
+    ((y * gy.float()).sum() + (h * gh.float()).sum()).backward()
+    assert rel_err(wide_z.grad[..., dm:2 * dm], ref_in["z"].grad) <= 1e-5
+    assert rel_err(dbl.grad[..., 5:5 + width].reshape(bc_shape), ref_in["B"].grad) <= 1e-5
+    assert rel_err(dbl.grad[..., 5 + width:].reshape(bc_shape), ref_in["C"].grad) <= 1e-5
+    assert not wide_z.grad[..., :dm].any() and not wide_z.grad[..., 2 * dm:].any() and not dbl.grad[..., :5].any()
+    for name, leaf in rest.items():
+        assert rel_err(leaf.grad, ref_in[name].grad) <= 1e-5, name
+    # contiguous copies: bitwise the same output and gradients
+    copies = {k: v.detach().contiguous().requires_grad_() for k, v in (("z", z), ("B", B), ("C", C))}
+    dense = _leaves({k: v for k, v in rest.items()})
+    y2, h2 = _run(selective_scan, dict(dense, **copies))
+    assert torch.equal(y2, y) and torch.equal(h2, h)
+    ((y2 * gy.float()).sum() + (h2 * gh.float()).sum()).backward()
+    assert torch.equal(copies["z"].grad, wide_z.grad[..., dm:2 * dm])
+    assert torch.equal(copies["B"].grad.reshape(batch, length, width), dbl.grad[..., 5:5 + width])
+    assert torch.equal(copies["C"].grad.reshape(batch, length, width), dbl.grad[..., 5 + width:])
+    for name in rest:
+        assert torch.equal(dense[name].grad, rest[name].grad), name
+
+
+def test_b_and_c_of_different_strides_are_copied_and_still_match():
+    """B read in place but C not evenly spaced (tokens of a sequence far apart): both are copied
+    (one stride serves both), and the op still gives the float64 loop's output."""
+    from hybridzoo.kernels.triton.selective_scan import _prepared
+
+    x = _inputs(length=9, seed=34)
+    f32 = {k: v.float() for k, v in x.items()}
+    wide = torch.randn(2, 9, 7)
+    wide[..., 2:5] = f32["B"]
+    B = wide[..., 2:5]
+    C = f32["C"].transpose(0, 1).contiguous().transpose(0, 1)
+    args = dict(f32, B=B, C=C)
+    prepared = _prepared(*(args[k] for k in NAMES), "selective_scan")
+    assert prepared[3].data_ptr() != B.data_ptr() and prepared[3].is_contiguous() and prepared[4].is_contiguous()
+    y_ref, h_ref = _run(selective_scan_loop, x)
+    y, h = _run(selective_scan, args)
+    assert rel_err(y, y_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+
+
+def test_grads_write_dz_where_asked():
+    """selective_scan_grads' ``dz_out``: z's gradient goes into the given slice of a wider tensor
+    (bitwise the gradient it returns otherwise), the slice itself is returned, the tensor's other
+    columns are left as they were, and every other gradient is unchanged. A buffer of another
+    shape or dtype, one whose tokens are not evenly spaced, or one without z is refused."""
+    x = {k: v.float() for k, v in _inputs(length=19, seed=35).items()}
+    args = [x[k] for k in NAMES[:8]]
+    y, h, saved = selective_scan_saved(*args, True, x["initial_state"])
+    torch.manual_seed(36)
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    plain = selective_scan_grads(*args, x["initial_state"], saved, gy, gh, True)
+    dm = x["z"].shape[-1]
+    wide = torch.full((2, 19, 2 * dm), 7.0)
+    into = selective_scan_grads(*args, x["initial_state"], saved, gy, gh, True, dz_out=wide[..., dm:])
+    assert into[6].data_ptr() == wide[..., dm:].data_ptr()
+    assert torch.equal(wide[..., dm:], plain[6]) and bool((wide[..., :dm] == 7.0).all())
+    for name, a, b in zip(NAMES, plain, into):
+        assert torch.equal(a, b), name
+    for bad in (torch.empty(2, 19, dm, dtype=torch.float64), torch.empty(2, 19, dm + 1),
+                torch.empty(19, 2, dm).transpose(0, 1)):
+        with pytest.raises(ValueError, match="dz_out"):
+            selective_scan_grads(*args, x["initial_state"], saved, gy, gh, True, dz_out=bad)
+    args[6] = None
+    with pytest.raises(ValueError, match="dz_out"):
+        selective_scan_grads(*args, x["initial_state"], saved, gy, gh, True, dz_out=wide[..., dm:])
+
+
 def test_grads_refuse_saved_states_of_another_shape():
     x = {k: v.float() for k, v in _inputs(length=19).items()}
     args = [x[k] for k in NAMES[:8]]
