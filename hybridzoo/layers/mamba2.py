@@ -29,7 +29,10 @@ from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
 from hybridzoo.layers.base import Mixer, init_dt_bias_
+from hybridzoo.layers import recompute
 from hybridzoo.layers.conv import ShortConv, short_conv
+from hybridzoo.layers.mamba1_inner import fused_inner_backend
+from hybridzoo.layers.mamba2_inner import Mamba2Inner
 from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
 from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -147,12 +150,33 @@ class Mamba2(Mixer):
         if not plain_modules(self.conv1d, self.norm, self.out_proj):
             return self._mix_modules(x, state)
         zxbcdt = self.in_proj(x)
-        tensors = (zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
-                   self.norm.weight, self.out_proj.weight, self.out_proj.bias,
-                   None if state is None else state.conv, None if state is None else state.recurrent)
-        out, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
+        params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
+                  self.out_proj.weight, self.out_proj.bias)
+        if self._fused_inner(zxbcdt, state):
+            cfg = self.config
+            shape = (self.n_heads, self.head_dim, self.n_groups, self.d_state, cfg.chunk_size, self.norm.eps,
+                     self.norm.group_size)
+            out, conv_tail, recurrent = Mamba2Inner.apply(zxbcdt, *params, shape)
+        else:
+            tensors = (zxbcdt, *params, None if state is None else state.conv,
+                       None if state is None else state.recurrent)
+            out, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
         offset = x.shape[1] + (0 if state is None else state.offset)
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
+
+    def _fused_inner(self, zxbcdt: torch.Tensor, state: RecurrentState | None) -> bool:
+        """Whether this training call takes :class:`~hybridzoo.layers.mamba2_inner.Mamba2Inner` (one
+        autograd node with a written-out backward) instead of the recomputed body: a gradient is
+        wanted, no state comes in, the sequence fills the conv's window, no step-size limit, and
+        the conv, the scan and the gated norm run on our Triton kernels."""
+        from hybridzoo.layers.norms import _fused_kernels
+
+        return (state is None and tuple(self.config.time_step_limit) == (0.0, float("inf"))
+                and self.conv1d.activation == "silu" and self.norm.norm_before_gate is False
+                and zxbcdt.shape[1] >= self.config.d_conv - 1 and zxbcdt.shape[1] > 1
+                and recompute.wants_recompute(zxbcdt, *self.parameters())
+                and fused_inner_backend(self.backend, zxbcdt.device, ("causal_conv1d", "chunk_linear_attn"))
+                and _fused_kernels(self.norm.group_size, zxbcdt, self.norm.weight) is not None)
 
     def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
                      ) -> tuple[torch.Tensor, RecurrentState]:

@@ -8,38 +8,10 @@ import pytest
 import torch
 
 from hybridzoo.layers.mamba1 import Mamba1, Mamba1Config
-from hybridzoo.layers.state import RecurrentState
-from hybridzoo.memory import _graph_nodes
 from hybridzoo.utils import rel_err
+from tests.layers.one_node import check_against_general_path, check_general_path, nodes, step
 
 D_MODEL = 16
-
-
-def nodes(tensor: torch.Tensor) -> set[str]:
-    """The names of the autograd nodes behind ``tensor``."""
-    return {type(node).__name__ for node in _graph_nodes([tensor.grad_fn])}
-
-
-def step(mixer: Mamba1, x: torch.Tensor, state: RecurrentState | None = None, autocast: bool = False):
-    """Output, final state, the graph's node names and the gradients of x, every parameter and any
-    initial state, for a loss on the output and on both parts of the final state."""
-    mixer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    if state is not None:
-        state = RecurrentState(kind="mamba1", recurrent=state.recurrent.detach().clone().requires_grad_(True),
-                               conv=state.conv.detach().clone().requires_grad_(True), offset=state.offset)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        y, final = mixer.mix(x, state)
-    generator = torch.Generator().manual_seed(1)
-    probe = lambda t: torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.dtype)  # noqa: E731
-    loss = ((y * probe(y)).float().sum() + (final.recurrent * probe(final.recurrent)).float().sum()
-            + (final.conv * probe(final.conv)).float().sum())
-    loss.backward()
-    grads = {"x": x.grad}
-    grads.update({name: p.grad for name, p in mixer.named_parameters()})
-    if state is not None:
-        grads.update({"state.recurrent": state.recurrent.grad, "state.conv": state.conv.grad})
-    return y.detach(), final, nodes(y), grads
 
 
 def build(dtype=torch.float32, backend="triton", **config) -> Mamba1:
@@ -51,21 +23,7 @@ def build(dtype=torch.float32, backend="triton", **config) -> Mamba1:
 def test_one_node_equals_the_recomputed_body(autocast, monkeypatch):
     """fp32 and bf16 autocast: the same kernels and products in the same order, so the outputs,
     the final state and every gradient equal the recomputed body's exactly."""
-    mixer = build()
-    x = torch.randn(1, 11, D_MODEL)
-    y, final, graph, fused = step(mixer, x, autocast=autocast)
-    assert "Mamba1InnerBackward" in graph and "_RecomputedBackward" not in graph, graph
-    monkeypatch.setattr(mixer, "_fused_inner", lambda xz, state: False)
-    y_ref, final_ref, graph_ref, general = step(mixer, x, autocast=autocast)
-    assert "_RecomputedBackward" in graph_ref and "Mamba1InnerBackward" not in graph_ref
-    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
-    torch.testing.assert_close(final.recurrent, final_ref.recurrent, rtol=0, atol=0)
-    torch.testing.assert_close(final.conv, final_ref.conv, rtol=0, atol=0)
-    assert final.offset == final_ref.offset == 11
-    assert set(fused) == set(general)
-    for name in general:
-        assert fused[name] is not None, name
-        torch.testing.assert_close(fused[name], general[name], rtol=0, atol=0, msg=name)
+    check_against_general_path(build(), torch.randn(1, 11, D_MODEL), autocast, "Mamba1InnerBackward", monkeypatch)
 
 
 def test_one_node_against_the_float64_reference():
@@ -92,19 +50,7 @@ def test_other_calls_take_the_general_path(case):
     mixer = build(keep_scan_states=case != "keep_scan_states=False",
                   backend="reference" if case == "reference backend" else "triton")
     x = torch.randn(1, 5, D_MODEL)
-    if case == "no grad":
-        with torch.no_grad():
-            y, _ = mixer.mix(x, None)
-        assert y.grad_fn is None
-        return
-    state = None
-    if case == "state":
-        shapes = mixer.expected_state(1, torch.float32)
-        state = RecurrentState(kind="mamba1", recurrent=torch.randn(shapes["recurrent"][0]),
-                               conv=torch.randn(shapes["conv"][0]), offset=4)
-    _, final, graph, grads = step(mixer, x, state)
-    assert "Mamba1InnerBackward" not in graph
-    assert all(g is not None for g in grads.values())
+    check_general_path(mixer, x, case, "Mamba1InnerBackward")
 
 
 def test_no_copy_of_the_gate_or_b_c_and_xz_gradient_in_one_buffer(monkeypatch):

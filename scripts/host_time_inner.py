@@ -1,13 +1,16 @@
-"""Host time of one Mamba-1 layer's training step on the CPU, its kernels skipped: the one-node
-step (:class:`hybridzoo.layers.mamba1_inner.Mamba1Inner`) against the recomputed body.
+"""Host time of one Mamba layer's training step on the CPU, its kernels skipped: the one-node
+step (:class:`hybridzoo.layers.mamba1_inner.Mamba1Inner`, :class:`hybridzoo.layers.mamba2_inner.Mamba2Inner`)
+against the recomputed body.
 
 A small model's GPU step waits on the host (Python, op dispatch, launches). This runs the layer's
 forward and backward under bf16 autocast on CPU tensors through the GPU's code path
-(``backend="triton"``, Triton's interpreter with every kernel launch skipped), so what is timed is
-the host's work alone. The layer is narrow (``--d-model``), so that the CPU's own matmuls stay
-small beside it. Prints the median milliseconds per step of each path, ``--rounds`` times.
+(``backend="triton"``, the fused norm forced on, Triton's interpreter with every kernel launch
+skipped), so what is timed is the host's work alone. The layer is narrow (``--d-model``), so that
+the CPU's own matmuls stay small beside it. Prints the median milliseconds per step of each path,
+``--rounds`` times.
 
-    python scripts/host_time_mamba1.py
+    python scripts/host_time_inner.py                  # Mamba-1
+    python scripts/host_time_inner.py --mixer mamba2
 """
 
 from __future__ import annotations
@@ -23,16 +26,26 @@ os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: kernels go th
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def median_ms(one_node: bool, d_model: int, tokens: int, steps: int) -> float:
-    """Median host milliseconds of a forward and backward of one Mamba-1 layer."""
+def build(mixer: str, d_model: int):
+    """One layer of ``mixer`` (``mamba1``: d_state 16; ``mamba2``: d_state 16, head_dim 16) on our
+    Triton backend."""
+    if mixer == "mamba1":
+        from hybridzoo.layers.mamba1 import Mamba1
+
+        return Mamba1(d_model, backend="triton")
+    from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
+
+    return Mamba2(d_model, Mamba2Config(d_state=16, head_dim=16), backend="triton")
+
+
+def median_ms(one_node: bool, d_model: int, tokens: int, steps: int, kind: str = "mamba1") -> float:
+    """Median host milliseconds of a forward and backward of one layer of ``kind``."""
     import torch
 
-    from hybridzoo.layers.mamba1 import Mamba1
-
     torch.manual_seed(0)
-    mixer = Mamba1(d_model, backend="triton")
+    mixer = build(kind, d_model)
     if not one_node:
-        mixer._fused_inner = lambda xz, state: False
+        mixer._fused_inner = lambda inputs, state: False
     x = torch.randn(1, tokens, d_model, requires_grad=True)
 
     def step():
@@ -53,6 +66,7 @@ def median_ms(one_node: bool, d_model: int, tokens: int, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixer", choices=("mamba1", "mamba2"), default="mamba1")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300, help="timed steps per path and round")
@@ -61,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from triton.runtime import interpreter
 
+    from hybridzoo.kernels import fused
+
     torch.set_num_threads(1)
     interpreter.GridExecutor.__call__ = lambda self, *a, **k: None  # kernels skipped: host work only
+    fused.FORCE = True  # the fused norms, as a GPU runs them
     for _ in range(args.rounds):
-        one = median_ms(True, args.d_model, args.tokens, args.steps)
-        general = median_ms(False, args.d_model, args.tokens, args.steps)
+        one = median_ms(True, args.d_model, args.tokens, args.steps, args.mixer)
+        general = median_ms(False, args.d_model, args.tokens, args.steps, args.mixer)
         print(f"one node {one:.3f} ms, recomputed body {general:.3f} ms per layer step (host, kernels skipped)",
               flush=True)
     return 0

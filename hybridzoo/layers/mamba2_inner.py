@@ -1,0 +1,165 @@
+"""Mamba-2's training step after ``in_proj`` as one autograd node.
+
+:class:`~hybridzoo.layers.mamba2.Mamba2` otherwise runs that part through
+:func:`~hybridzoo.layers.recompute.recomputed`: its backward runs the body again with autograd on
+(the conv, the gates, the norm; the scan's output and ``out_proj``'s forward are kept or skipped)
+and backpropagates through the fresh graph. The GPU work here is the same, but the backward is
+written out, so the host records no second graph: fewer op dispatches per layer and step, which
+is what a small model's step waits on (as :mod:`hybridzoo.layers.mamba1_inner` does for Mamba-1).
+
+Taken on our Triton kernels (the conv, the chunkwise scan and the fused gated norm; CUDA, or the
+interpreter with ``backend="triton"``) for a whole sequence with no carried state and no step-size
+limit; every other call keeps the general path. The tensors kept for the backward are the
+general path's: ``in_proj``'s output, the parameters and the scan's output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads
+from hybridzoo.layers.state import state_dtype
+
+__all__ = ["Mamba2Inner"]
+
+
+class Mamba2Inner(torch.autograd.Function):
+    """``(out, conv_tail, final_state) = Mamba2Inner.apply(zxbcdt, conv_weight, conv_bias, dt_bias,
+    A_log, D, norm_weight, out_weight, out_bias, shape)``.
+
+    Args:
+        zxbcdt: ``[B, T, 2·d_inner + 2GN + H]``, ``in_proj``'s output (activation dtype), T at
+            least the conv's width minus one.
+        conv_weight ``[conv_dim, W]``, conv_bias ``[conv_dim]`` or None, dt_bias, A_log, D
+        ``[H]``, norm_weight ``[d_inner]``, out_weight ``[d_model, d_inner]``, out_bias
+        ``[d_model]`` or None: the parameters.
+        shape: ``(H, P, G, N, chunk_size, norm_eps, norm_group_size)``.
+
+    Returns:
+        ``out [B, T, d_model]`` in zxbcdt's dtype (``out_proj`` on zxbcdt's dtype, as the general
+        path's), ``conv_tail [B, W-1, conv_dim]`` (the conv's last inputs) and the scan's final
+        state ``[B, H, N, P]`` float32. Gradients flow from all three.
+    """
+
+    @staticmethod
+    def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias, shape):
+        from hybridzoo.kernels.triton import norm
+
+        with torch.autocast(zxbcdt.device.type, enabled=False):
+            z, xbc, dt = Mamba2Inner._split(zxbcdt, shape)
+            xs, B, C, _, dts, _, log_a, v = Mamba2Inner._gates(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, shape)
+            with torch.no_grad():
+                y, final = chunk_linear_attn(C, B, v, log_a, scale=1.0, output_final_state=True,
+                                             chunk_size=shape[4], backend="triton")
+            yd = Mamba2Inner._skip(y, D, xs)
+            yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
+                                            shape[6], False)
+            dtype = zxbcdt.dtype
+            out = F.linear(yn.view(*z.shape).to(dtype), out_weight.to(dtype),
+                           None if out_bias is None else out_bias.to(dtype))
+        width = conv_weight.shape[1]
+        tail = xbc[:, xbc.shape[1] - (width - 1):].clone()
+        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias,
+                              y)
+        ctx.shape = shape
+        ctx.set_materialize_grads(False)
+        return out, tail, final
+
+    @staticmethod
+    def _split(zxbcdt, shape):
+        """``(z, xBC, dt)``: views of zxbcdt's ``[d_inner | conv_dim | H]`` columns."""
+        H, P, G, N = shape[:4]
+        d_inner = H * P
+        return zxbcdt.split([d_inner, d_inner + 2 * G * N, H], dim=-1)
+
+    @staticmethod
+    def _gates(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, shape):
+        """From zxbcdt's xBC and dt columns to the scan's inputs, as :meth:`Mamba2._ssd` forms
+        them: ``(xs [B, T, H, P], B, C [B, T, G, N], dt + dt_bias, Δ = softplus of it [B, T, H],
+        A = -exp(A_log) [H], log_a = Δ A, all float32, v = Δ x in xs's dtype)``."""
+        from hybridzoo.kernels.triton import launch
+        from hybridzoo.kernels.triton.conv import conv_forward
+
+        H, P, G, N = shape[:4]
+        u = conv_forward(launch.token_rows(xbc), conv_weight.contiguous(),
+                         None if conv_bias is None else conv_bias.contiguous(), None, True)
+        xs, B, C = u.split([H * P, G * N, G * N], dim=-1)
+        xs, B, C = xs.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
+        compute = state_dtype(xs.dtype)
+        raw = dt.to(compute) + dt_bias.to(compute)
+        dts = F.softplus(raw)
+        neg_a = -torch.exp(A_log.to(compute))
+        log_a = dts * neg_a
+        v = (xs.to(compute) * dts[..., None]).to(xs.dtype)
+        return xs, B, C, raw, dts, neg_a, log_a, v
+
+    @staticmethod
+    def _skip(y, D, xs):
+        """``y + D x`` ``[B, T, H, P]`` float32 (the gated norm's input)."""
+        compute = state_dtype(xs.dtype)
+        return y + D.to(compute)[:, None] * xs.to(compute)
+
+    @staticmethod
+    def backward(ctx, dout, dtail, dfinal):
+        from hybridzoo.kernels.triton import launch, norm
+        from hybridzoo.kernels.triton.conv import conv_grads
+
+        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias, y = ctx.saved_tensors
+        shape = ctx.shape
+        H, P, G, N = shape[:4]
+        batch, length = zxbcdt.shape[:2]
+        with torch.autocast(zxbcdt.device.type, enabled=False):
+            z, xbc, dt = Mamba2Inner._split(zxbcdt, shape)
+            xs, B, C, raw, dts, neg_a, log_a, v = Mamba2Inner._gates(xbc, dt, conv_weight, conv_bias, dt_bias, A_log,
+                                                                     shape)
+            compute = dts.dtype
+            xf = xs.to(compute)
+            yd = Mamba2Inner._skip(y, D, xs)
+            rows = (batch * length, H * P)
+            yn, rstd = norm.gated_rms_norm_fwd(yd.view(rows), z.flatten(0, 1), norm_weight, shape[5], shape[6],
+                                               False)
+            dtype = zxbcdt.dtype
+            dzxbcdt = launch.empty(zxbcdt.shape, dtype, zxbcdt.device)
+            dz_out, dxbc_out, ddt_out = Mamba2Inner._split(dzxbcdt, shape)
+            # out = yn @ W^T + b on zxbcdt's dtype
+            dyn_a = dyn_w = dout_b = None
+            if dout is not None:
+                drows = dout.reshape(-1, dout.shape[-1])
+                w = out_weight.to(dtype)
+                dyn_a = drows @ w
+                dyn_w = drows.mT @ yn.to(dtype)
+                dout_b = None if out_bias is None else drows.sum(0)
+                dyd, dz, dnorm_w = norm.gated_rms_norm_bwd(dyn_a.to(compute), yd.view(rows), z.flatten(0, 1),
+                                                          norm_weight, rstd, shape[5], shape[6], False)
+                dz_out.copy_(dz.view(z.shape))
+                dyd = dyd.view(yd.shape)
+                dy = dyd.to(y.dtype)
+                dD = (dyd * xf).sum((0, 1, 3))
+                dxf = dyd * D.to(compute)[:, None]
+            else:
+                dz_out.zero_()
+                dy = dD = dnorm_w = None
+                dxf = torch.zeros_like(xf)
+            dC, dB, dv, dlog_a, _ = chunk_linear_attn_grads(C, B, v, log_a, None, dy, dfinal, scale=1.0,
+                                                            chunk_size=shape[4], backend="triton")
+            # v = (x Δ) in xs's dtype; log_a = Δ · (-exp(A_log)); Δ = softplus(dt + dt_bias)
+            dvf = dv.to(compute)
+            dxf = dxf + dvf * dts[..., None]
+            ddts = (dvf * xf).sum(-1) + dlog_a * neg_a
+            dA_log = (dlog_a * dts).sum((0, 1)) * neg_a
+            draw = torch.ops.aten.softplus_backward(ddts, raw, 1.0, 20.0)  # autograd's own formula
+            ddt_bias = draw.sum((0, 1))
+            ddt_out.copy_(draw)
+            du = torch.cat([dxf.to(xs.dtype).flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
+            conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
+            dxbc, dconv_w, dconv_b, _ = conv_grads(launch.token_rows(xbc), conv_weight.contiguous(), conv_bias_c,
+                                                   None, True, du, dx_out=dxbc_out)
+            if dtail is not None:  # the tail is a copy of xBC's last W - 1 tokens
+                keep = dtail.shape[1]
+                dxbc[:, length - keep:] += dtail
+        # each parameter's gradient in its own dtype, as autograd's cast backward gives them
+        return (dzxbcdt, dconv_w, dconv_b, ddt_bias.to(dt_bias.dtype), dA_log.to(A_log.dtype),
+                None if dD is None else dD.to(D.dtype), dnorm_w,
+                None if dyn_w is None else dyn_w.to(out_weight.dtype),
+                None if dout_b is None else dout_b.to(out_bias.dtype), None)
