@@ -30,14 +30,13 @@ def build(dtype=torch.float32, backend="triton", bias=False, **config) -> Mamba2
     return mixer.to(dtype)
 
 
-@pytest.mark.parametrize("autocast,tol", [(False, 1e-6), (True, 1e-2)])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("autocast,tol,bias", [(False, 1e-6, True), (True, 1e-2, False)])
 def test_one_node_matches_the_recomputed_body(autocast, tol, bias, monkeypatch):
     """fp32 and bf16 autocast: the same kernels on the same inputs; the outputs and final states are
     equal, the gradients equal to float32 rounding (the written-out backward sums some terms in
     another order; x's two gradient paths in float32 before one cast, where the graph casts each);
     under bf16 autocast to bf16 rounding."""
-    check_against_general_path(build(bias=bias), torch.randn(2, 19, D_MODEL), autocast, "Mamba2InnerBackward",
+    check_against_general_path(build(bias=bias), torch.randn(2, 13, D_MODEL), autocast, "Mamba2InnerBackward",
                                monkeypatch, grad_tol=tol)
 
 
