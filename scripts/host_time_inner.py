@@ -45,7 +45,7 @@ def median_ms(one_node: bool, d_model: int, tokens: int, steps: int, kind: str =
     torch.manual_seed(0)
     mixer = build(kind, d_model)
     if not one_node:
-        mixer._fused_inner = lambda inputs, state: False
+        mixer._fused_inner = lambda inputs, params, state: False
     x = torch.randn(1, tokens, d_model, requires_grad=True)
 
     def step():

@@ -166,3 +166,14 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
             raise _unsupported(op, problem)
         return _guard_resources(op, impl)
     return impl
+
+
+def runs_on_triton(backend: str, device: torch.device, ops: tuple[str, ...]) -> bool:
+    """True when ``backend`` runs every op of ``ops`` on our Triton kernels on ``device`` (the
+    condition of the Mamba layers' one-node training steps). An unusable Triton raises the op's
+    usual error."""
+    for op in ops:
+        if (_auto_backend(op, device) if backend == "auto" else backend) != "triton":
+            return False
+        resolve(op, backend, device)  # the clear error of an unusable backend, as the general path gives
+    return True

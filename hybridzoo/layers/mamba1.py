@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import selective_scan, selective_scan_grads, selective_scan_saved, selective_scan_step
+from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers import recompute
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
-from hybridzoo.layers.mamba1_inner import Mamba1Inner, fused_inner_backend
+from hybridzoo.layers.mamba1_inner import Mamba1Inner
 from hybridzoo.layers.recompute import Kept, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
@@ -155,31 +156,29 @@ class Mamba1(Mixer):
         if not plain_modules(self.conv1d, self.x_proj):
             return self._mix_modules(x, state)
         xz = self.in_proj(x)
-        if self._fused_inner(xz, state):
+        params = (self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                  self.dt_proj.bias, self.A_log, self.D)
+        if self._fused_inner(xz, params, state):
             device = xz.device.type
             cast = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                     and xz.dtype == torch.get_autocast_dtype(device) else None)
-            y, conv_tail, recurrent = Mamba1Inner.apply(
-                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                self.dt_proj.bias, self.A_log, self.D, self.dt_rank, cast)
+            y, conv_tail, recurrent = Mamba1Inner.apply(xz, *params, self.dt_rank, cast)
         else:
-            tensors = (xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                       self.dt_proj.bias, self.A_log, self.D, None if state is None else state.conv,
-                       None if state is None else state.recurrent)
+            tensors = (xz, *params, None if state is None else state.conv, None if state is None else state.recurrent)
             y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
         offset = x.shape[1] + (0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
-    def _fused_inner(self, xz: torch.Tensor, state: RecurrentState | None) -> bool:
+    def _fused_inner(self, xz: torch.Tensor, params: tuple, state: RecurrentState | None) -> bool:
         """Whether this training call takes :class:`~hybridzoo.layers.mamba1_inner.Mamba1Inner` (one
         autograd node with a written-out backward) instead of the recomputed body: a gradient is
         wanted, no state comes in, the sequence fills the conv's window, the scan's states are kept
         and the conv and scan run on our Triton kernels."""
         return (state is None and self.config.keep_scan_states and self.conv1d.activation == "silu"
                 and xz.shape[1] >= self.config.d_conv - 1 and xz.shape[1] > 1
-                and recompute.wants_recompute(xz, self.x_proj.weight)
-                and fused_inner_backend(self.backend, xz.device))
+                and recompute.wants_recompute(xz, *params)
+                and runs_on_triton(self.backend, xz.device, ("causal_conv1d", "selective_scan")))
 
     def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
                      ) -> tuple[torch.Tensor, RecurrentState]:

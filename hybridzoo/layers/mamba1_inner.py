@@ -21,21 +21,7 @@ import torch.nn.functional as F
 from hybridzoo.kernels import selective_scan_saved
 from hybridzoo.layers.state import state_dtype
 
-__all__ = ["Mamba1Inner", "fused_inner_backend"]
-
-
-def fused_inner_backend(backend: str, device: torch.device,
-                        ops: tuple[str, ...] = ("causal_conv1d", "selective_scan")) -> bool:
-    """True when ``backend`` runs ``ops`` (by default Mamba-1's conv and scan) on our Triton
-    kernels on ``device`` (the condition for :class:`Mamba1Inner`, and for Mamba-2's one-node
-    step with its own ops). An unusable Triton raises the op's usual error."""
-    from hybridzoo.kernels._dispatch import _auto_backend, resolve
-
-    for op in ops:
-        if (_auto_backend(op, device) if backend == "auto" else backend) != "triton":
-            return False
-        resolve(op, backend, device)  # the clear error of an unusable backend, as the general path gives
-    return True
+__all__ = ["Mamba1Inner"]
 
 
 class Mamba1Inner(torch.autograd.Function):

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
+from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers import recompute
 from hybridzoo.layers.conv import ShortConv, short_conv
-from hybridzoo.layers.mamba1_inner import fused_inner_backend
-from hybridzoo.layers.mamba2_inner import Mamba2Inner
+from hybridzoo.layers.mamba2_inner import NO_LIMIT, Mamba2Inner, d_skip, ssd_inputs
 from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
 from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -143,8 +143,10 @@ class Mamba2(Mixer):
             ) -> tuple[torch.Tensor, RecurrentState]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
 
-        With a gradient wanted, everything after ``in_proj`` runs recomputed
-        (:func:`~hybridzoo.layers.recompute.recomputed`): per token the step keeps ``in_proj``'s
+        With a gradient wanted, everything after ``in_proj`` runs recomputed in the backward: on
+        our Triton kernels, for a whole sequence without a carried state, by
+        :class:`~hybridzoo.layers.mamba2_inner.Mamba2Inner` (its backward written out), otherwise by
+        :func:`~hybridzoo.layers.recompute.recomputed`. Per token the step keeps ``in_proj``'s
         input and output and the scan's output, as mamba_ssm's fused path does; the backward
         reruns the conv, gates and norm, not the scan's forward nor ``out_proj``."""
         if not plain_modules(self.conv1d, self.norm, self.out_proj):
@@ -152,7 +154,7 @@ class Mamba2(Mixer):
         zxbcdt = self.in_proj(x)
         params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
                   self.out_proj.weight, self.out_proj.bias)
-        if self._fused_inner(zxbcdt, state):
+        if self._fused_inner(zxbcdt, params, state):
             cfg = self.config
             shape = (self.n_heads, self.head_dim, self.n_groups, self.d_state, cfg.chunk_size, self.norm.eps,
                      self.norm.group_size)
@@ -164,18 +166,18 @@ class Mamba2(Mixer):
         offset = x.shape[1] + (0 if state is None else state.offset)
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
-    def _fused_inner(self, zxbcdt: torch.Tensor, state: RecurrentState | None) -> bool:
+    def _fused_inner(self, zxbcdt: torch.Tensor, params: tuple, state: RecurrentState | None) -> bool:
         """Whether this training call takes :class:`~hybridzoo.layers.mamba2_inner.Mamba2Inner` (one
         autograd node with a written-out backward) instead of the recomputed body: a gradient is
         wanted, no state comes in, the sequence fills the conv's window, no step-size limit, and
         the conv, the scan and the gated norm run on our Triton kernels."""
         from hybridzoo.layers.norms import _fused_kernels
 
-        return (state is None and tuple(self.config.time_step_limit) == (0.0, float("inf"))
+        return (state is None and tuple(self.config.time_step_limit) == NO_LIMIT
                 and self.conv1d.activation == "silu" and self.norm.norm_before_gate is False
                 and zxbcdt.shape[1] >= self.config.d_conv - 1 and zxbcdt.shape[1] > 1
-                and recompute.wants_recompute(zxbcdt, *self.parameters())
-                and fused_inner_backend(self.backend, zxbcdt.device, ("causal_conv1d", "chunk_linear_attn"))
+                and recompute.wants_recompute(zxbcdt, *params)
+                and runs_on_triton(self.backend, zxbcdt.device, ("causal_conv1d", "chunk_linear_attn"))
                 and _fused_kernels(self.norm.group_size, zxbcdt, self.norm.weight) is not None)
 
     def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
@@ -228,21 +230,14 @@ class Mamba2(Mixer):
         """The SSD part of :meth:`_body`, from the conv's output (``xs [B, T, H, P]``, ``B``, ``C``
         ``[B, T, G, N]``) and ``in_proj``'s raw ``dt [B, T, H]`` to ``y + D x`` (``[B, T, H, P]``
         float32, float64 for float64) and the recurrent state."""
-        compute = state_dtype(xs.dtype)                                      # float32 (float64)
-        dt = F.softplus(dt.to(compute) + dt_bias.to(compute))               # [B, T, H]
-        if tuple(self.config.time_step_limit) != (0.0, float("inf")):
-            dt = dt.clamp(*self.config.time_step_limit)
-        log_a = dt * -torch.exp(A_log.to(compute))                          # Δ A <= 0
-        # Δ x is formed in float32 and handed to the kernel in the activation dtype, like B and C
-        # (bf16 under autocast: tensor-core dots; float32 would force exact fp32 dots)
-        v = (xs.to(compute) * dt[..., None]).to(xs.dtype)                   # Δ x: [B, T, H, P]
+        _, _, _, log_a, v = ssd_inputs(xs, dt, dt_bias, A_log, self.config.time_step_limit)
         if xs.shape[1] == 1 and recurrent is not None:
             y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0], recurrent, scale=1.0)
             y = y[:, None]
         else:
             y, recurrent = kept_op(keep, self._scan, self._scan_grads, (C, B, v, log_a, recurrent),
                                    keep_values=(True, False))   # the final state is only returned
-        return y + D.to(compute)[:, None] * xs.to(compute), recurrent
+        return d_skip(y, D, xs), recurrent
 
     def _scan(self, C, B, v, log_a, initial_state):
         """SSD: ``(y [B, T, H, P] in v.dtype, final state [B, H, N, P])``."""

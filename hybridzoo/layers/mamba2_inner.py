@@ -21,7 +21,31 @@ import torch.nn.functional as F
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads
 from hybridzoo.layers.state import state_dtype
 
-__all__ = ["Mamba2Inner"]
+__all__ = ["Mamba2Inner", "d_skip", "ssd_inputs"]
+
+NO_LIMIT = (0.0, float("inf"))
+
+
+def ssd_inputs(xs, dt, dt_bias, A_log, limit=NO_LIMIT):
+    """The scan's inputs from the conv's ``xs [B, T, H, P]`` and ``in_proj``'s raw ``dt [B, T, H]``:
+    ``(dt + dt_bias, Δ = softplus of it (clamped to ``limit``), A = -exp(A_log) [H], log_a = Δ A
+    <= 0, v = Δ x)``, all float32 (float64 for float64) but v, which is formed in float32 and handed
+    to the kernel in xs's dtype, like B and C (bf16 under autocast: tensor-core dots; float32 would
+    force exact fp32 dots). Shared by :meth:`Mamba2._ssd` and :class:`Mamba2Inner`."""
+    compute = state_dtype(xs.dtype)
+    raw = dt.to(compute) + dt_bias.to(compute)
+    dts = F.softplus(raw)
+    if tuple(limit) != NO_LIMIT:
+        dts = dts.clamp(*limit)
+    neg_a = -torch.exp(A_log.to(compute))
+    return raw, dts, neg_a, dts * neg_a, (xs.to(compute) * dts[..., None]).to(xs.dtype)
+
+
+def d_skip(y, D, xs):
+    """``y + D x`` ``[B, T, H, P]`` float32 (float64 for float64): the scan's output with the skip
+    (the gated norm's input)."""
+    compute = state_dtype(xs.dtype)
+    return y + D.to(compute)[:, None] * xs.to(compute)
 
 
 class Mamba2Inner(torch.autograd.Function):
@@ -52,7 +76,7 @@ class Mamba2Inner(torch.autograd.Function):
             with torch.no_grad():
                 y, final = chunk_linear_attn(C, B, v, log_a, scale=1.0, output_final_state=True,
                                              chunk_size=shape[4], backend="triton")
-            yd = Mamba2Inner._skip(y, D, xs)
+            yd = d_skip(y, D, xs)
             yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
                                             shape[6], False)
             dtype = zxbcdt.dtype
@@ -86,19 +110,7 @@ class Mamba2Inner(torch.autograd.Function):
                          None if conv_bias is None else conv_bias.contiguous(), None, True)
         xs, B, C = u.split([H * P, G * N, G * N], dim=-1)
         xs, B, C = xs.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
-        compute = state_dtype(xs.dtype)
-        raw = dt.to(compute) + dt_bias.to(compute)
-        dts = F.softplus(raw)
-        neg_a = -torch.exp(A_log.to(compute))
-        log_a = dts * neg_a
-        v = (xs.to(compute) * dts[..., None]).to(xs.dtype)
-        return xs, B, C, raw, dts, neg_a, log_a, v
-
-    @staticmethod
-    def _skip(y, D, xs):
-        """``y + D x`` ``[B, T, H, P]`` float32 (the gated norm's input)."""
-        compute = state_dtype(xs.dtype)
-        return y + D.to(compute)[:, None] * xs.to(compute)
+        return (xs, B, C, *ssd_inputs(xs, dt, dt_bias, A_log))
 
     @staticmethod
     def backward(ctx, dout, dtail, dfinal):
@@ -115,7 +127,7 @@ class Mamba2Inner(torch.autograd.Function):
                                                                      shape)
             compute = dts.dtype
             xf = xs.to(compute)
-            yd = Mamba2Inner._skip(y, D, xs)
+            yd = d_skip(y, D, xs)
             rows = (batch * length, H * P)
             yn, rstd = norm.gated_rms_norm_fwd(yd.view(rows), z.flatten(0, 1), norm_weight, shape[5], shape[6],
                                                False)

@@ -64,7 +64,7 @@ def check_against_general_path(mixer, x: torch.Tensor, autocast: bool, node: str
 
     y, final, graph, fused = step(mixer, x, autocast=autocast)
     assert node in graph and "_RecomputedBackward" not in graph, graph
-    monkeypatch.setattr(mixer, "_fused_inner", lambda inputs, state: False)
+    monkeypatch.setattr(mixer, "_fused_inner", lambda inputs, params, state: False)
     y_ref, final_ref, graph_ref, general = step(mixer, x, autocast=autocast)
     assert "_RecomputedBackward" in graph_ref and node not in graph_ref, graph_ref
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
@@ -78,3 +78,21 @@ def check_against_general_path(mixer, x: torch.Tensor, autocast: bool, node: str
             torch.testing.assert_close(fused[name], general[name], rtol=0, atol=0, msg=name)
         else:
             assert rel_err(fused[name].double(), general[name].double()) <= grad_tol, name
+
+
+def check_against_float64(fast, ref, x: torch.Tensor, node: str) -> None:
+    """The float32 one-node step of ``fast`` (autograd node ``node``) against ``ref``, the same
+    mixer on the reference backend in float64 given ``fast``'s weights, on ``x`` (float64): the
+    output and final state within 1e-5, every gradient within 1e-4 (from the output, the final
+    state and the conv tail)."""
+    from hybridzoo.utils import rel_err
+
+    y, final, graph, grads = step(fast, x.float())
+    assert node in graph, graph
+    ref.load_state_dict({k: v.double() for k, v in fast.state_dict().items()})
+    y64, final64, graph64, grads64 = step(ref, x)
+    assert node not in graph64, graph64
+    assert rel_err(y.double(), y64) <= 1e-5
+    assert rel_err(final.recurrent.double(), final64.recurrent) <= 1e-5
+    for name in grads64:
+        assert rel_err(grads[name].double(), grads64[name]) <= 1e-4, name

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from hybridzoo.layers.mamba1 import Mamba1, Mamba1Config
-from hybridzoo.utils import rel_err
-from tests.layers.one_node import check_against_general_path, check_general_path, nodes, step
+from tests.layers.one_node import check_against_float64, check_against_general_path, check_general_path, nodes
 
 D_MODEL = 16
 
@@ -29,18 +28,7 @@ def test_one_node_equals_the_recomputed_body(autocast, monkeypatch):
 def test_one_node_against_the_float64_reference():
     """The float32 Triton node against the reference backend in float64, gradients from the
     output, the final state and the conv tail included."""
-    x = torch.randn(1, 13, D_MODEL, dtype=torch.float64)
-    fast = build()
-    y, final, graph, grads = step(fast, x.float())
-    assert "Mamba1InnerBackward" in graph
-    ref = build(torch.float64, backend="reference")
-    ref.load_state_dict({k: v.double() for k, v in fast.state_dict().items()})
-    y64, final64, graph64, grads64 = step(ref, x)
-    assert "Mamba1InnerBackward" not in graph64
-    assert rel_err(y.double(), y64) <= 1e-5
-    assert rel_err(final.recurrent.double(), final64.recurrent) <= 1e-5
-    for name in grads64:
-        assert rel_err(grads[name].double(), grads64[name]) <= 1e-4, name
+    check_against_float64(build(), build(torch.float64, backend="reference"), torch.randn(1, 13, D_MODEL, dtype=torch.float64), "Mamba1InnerBackward")
 
 
 @pytest.mark.parametrize("case", ["state", "keep_scan_states=False", "reference backend", "no grad"])

@@ -9,8 +9,7 @@ import torch
 
 from hybridzoo.kernels import fused
 from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
-from hybridzoo.utils import rel_err
-from tests.layers.one_node import check_against_general_path, check_general_path, step
+from tests.layers.one_node import check_against_float64, check_against_general_path, check_general_path
 
 D_MODEL = 16
 
@@ -43,18 +42,7 @@ def test_one_node_matches_the_recomputed_body(autocast, tol, bias, monkeypatch):
 def test_one_node_against_the_float64_reference():
     """The float32 Triton node against the reference backend in float64 (plain norm), gradients
     from the output, the final state and the conv tail included."""
-    x = torch.randn(2, 21, D_MODEL, dtype=torch.float64)
-    fast = build(bias=True)
-    y, final, graph, grads = step(fast, x.float())
-    assert "Mamba2InnerBackward" in graph
-    ref = build(torch.float64, backend="reference", bias=True)
-    ref.load_state_dict({k: v.double() for k, v in fast.state_dict().items()})
-    y64, final64, graph64, grads64 = step(ref, x)
-    assert "Mamba2InnerBackward" not in graph64
-    assert rel_err(y.double(), y64) <= 1e-5
-    assert rel_err(final.recurrent.double(), final64.recurrent) <= 1e-5
-    for name in grads64:
-        assert rel_err(grads[name].double(), grads64[name]) <= 1e-4, name
+    check_against_float64(build(bias=True), build(torch.float64, backend="reference", bias=True), torch.randn(2, 21, D_MODEL, dtype=torch.float64), "Mamba2InnerBackward")
 
 
 @pytest.mark.parametrize("case", ["state", "time_step_limit", "reference backend", "no grad", "unfused norm"])

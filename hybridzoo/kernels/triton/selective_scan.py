@@ -721,13 +721,10 @@ def _step_size_buffer(delta, delta_bias, softplus):
     return dt
 
 
-def _strides(z, B, C) -> tuple[int, int]:
+def _strides(z, B) -> tuple[int, int]:
     """The token strides the kernels read z (``ZS``; any value without z) and B and C (``BCS``)
-    with: inputs as :func:`_prepared` gives them."""
-    bcs = launch.row_stride(B)
-    if bcs is None or launch.row_stride(C) != bcs:
-        raise ValueError("selective_scan (triton): B and C must be read with one token stride (see _prepared)")
-    return (B.shape[2] * B.shape[3] if z is None else launch.row_stride(z)), bcs
+    with: inputs as :func:`_prepared` gives them (B and C at one stride)."""
+    return (B.shape[2] * B.shape[3] if z is None else launch.row_stride(z)), launch.row_stride(B)
 
 
 def _dz_buffer(dz_out, z):
@@ -746,7 +743,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
     state entering each of the backward's time blocks ``[B, ceil(T / bwd_block_t), Dm, N]`` float32
     when ``store_ckpt``."""
     batch, length, dm = u.shape
-    zs, bcs = _strides(z, B, C)
+    zs, bcs = _strides(z, B)
     groups, n = B.shape[2], A.shape[1]
     per_group = dm // groups
     block_n = max(triton.next_power_of_2(n), 2)
@@ -813,7 +810,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     du = launch.empty(u.shape, u.dtype, dev)
     ddelta = launch.empty(delta.shape, delta.dtype, dev)
     dz = None if z is None else (launch.empty(z.shape, z.dtype, dev) if dz_out is None else dz_out)
-    zs, bcs = _strides(z, B, C)
+    zs, bcs = _strides(z, B)
     dzs = dm if dz is None else launch.row_stride(dz)
     dB = torch.zeros(B.shape, dtype=torch.float32, device=dev)  # atomics accumulate here
     dC = torch.zeros(C.shape, dtype=torch.float32, device=dev)
