@@ -38,14 +38,16 @@ def ssd_inputs(xs, dt, dt_bias, A_log, limit=NO_LIMIT):
     if tuple(limit) != NO_LIMIT:
         dts = dts.clamp(*limit)
     neg_a = -torch.exp(A_log.to(compute))
-    return raw, dts, neg_a, dts * neg_a, (xs.to(compute) * dts[..., None]).to(xs.dtype)
+    # xs * Δ promotes xs to Δ's dtype in the multiply itself: the product is what an explicit cast
+    # of xs first gives, without writing and reading that copy
+    return raw, dts, neg_a, dts * neg_a, (xs * dts[..., None]).to(xs.dtype)
 
 
 def d_skip(y, D, xs):
     """``y + D x`` ``[B, T, H, P]`` float32 (float64 for float64): the scan's output with the skip
     (the gated norm's input)."""
     compute = state_dtype(xs.dtype)
-    return y + D.to(compute)[:, None] * xs.to(compute)
+    return y + D.to(compute)[:, None] * xs  # xs promoted within the multiply (no float32 copy of it)
 
 
 class Mamba2Inner(torch.autograd.Function):
@@ -77,11 +79,12 @@ class Mamba2Inner(torch.autograd.Function):
                 y, final = chunk_linear_attn(C, B, v, log_a, scale=1.0, output_final_state=True,
                                              chunk_size=shape[4], backend="triton")
             yd = d_skip(y, D, xs)
-            yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
-                                            shape[6], False)
             dtype = zxbcdt.dtype
-            out = F.linear(yn.view(*z.shape).to(dtype), out_weight.to(dtype),
-                           None if out_bias is None else out_bias.to(dtype))
+            # the norm's output in out_proj's dtype straight from the kernel (one rounding, as
+            # .to(dtype) of its float32 output gives)
+            yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
+                                            shape[6], False, out_dtype=dtype)
+            out = F.linear(yn.view(*z.shape), out_weight.to(dtype), None if out_bias is None else out_bias.to(dtype))
         width = conv_weight.shape[1]
         tail = xbc[:, xbc.shape[1] - (width - 1):].clone()
         ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias,
@@ -126,12 +129,11 @@ class Mamba2Inner(torch.autograd.Function):
             xs, B, C, raw, dts, neg_a, log_a, v = Mamba2Inner._gates(xbc, dt, conv_weight, conv_bias, dt_bias, A_log,
                                                                      shape)
             compute = dts.dtype
-            xf = xs.to(compute)
             yd = d_skip(y, D, xs)
             rows = (batch * length, H * P)
-            yn, rstd = norm.gated_rms_norm_fwd(yd.view(rows), z.flatten(0, 1), norm_weight, shape[5], shape[6],
-                                               False)
             dtype = zxbcdt.dtype
+            yn, rstd = norm.gated_rms_norm_fwd(yd.view(rows), z.flatten(0, 1), norm_weight, shape[5], shape[6],
+                                               False, out_dtype=dtype)
             dzxbcdt = launch.empty(zxbcdt.shape, dtype, zxbcdt.device)
             dz_out, dxbc_out, ddt_out = Mamba2Inner._split(dzxbcdt, shape)
             # out = yn @ W^T + b on zxbcdt's dtype
@@ -140,30 +142,36 @@ class Mamba2Inner(torch.autograd.Function):
                 drows = dout.reshape(-1, dout.shape[-1])
                 w = out_weight.to(dtype)
                 dyn_a = drows @ w
-                dyn_w = drows.mT @ yn.to(dtype)
+                dyn_w = drows.mT @ yn
                 dout_b = None if out_bias is None else drows.sum(0)
-                dyd, dz, dnorm_w = norm.gated_rms_norm_bwd(dyn_a.to(compute), yd.view(rows), z.flatten(0, 1),
+                # the kernel reads dyn_a in its own dtype and computes in float32
+                dyd, dz, dnorm_w = norm.gated_rms_norm_bwd(dyn_a, yd.view(rows), z.flatten(0, 1),
                                                           norm_weight, rstd, shape[5], shape[6], False)
                 dz_out.copy_(dz.view(z.shape))
                 dyd = dyd.view(yd.shape)
                 dy = dyd.to(y.dtype)
-                dD = (dyd * xf).sum((0, 1, 3))
+                dD = (dyd * xs).sum((0, 1, 3))  # xs promoted within the multiply, as below
                 dxf = dyd * D.to(compute)[:, None]
             else:
                 dz_out.zero_()
                 dy = dD = dnorm_w = None
-                dxf = torch.zeros_like(xf)
+                dxf = torch.zeros(xs.shape, dtype=compute, device=xs.device)
             dC, dB, dv, dlog_a, _ = chunk_linear_attn_grads(C, B, v, log_a, None, dy, dfinal, scale=1.0,
                                                             chunk_size=shape[4], backend="triton")
             # v = (x Δ) in xs's dtype; log_a = Δ · (-exp(A_log)); Δ = softplus(dt + dt_bias)
             dvf = dv.to(compute)
             dxf = dxf + dvf * dts[..., None]
-            ddts = (dvf * xf).sum(-1) + dlog_a * neg_a
+            ddts = (dvf * xs).sum(-1) + dlog_a * neg_a
             dA_log = (dlog_a * dts).sum((0, 1)) * neg_a
             draw = torch.ops.aten.softplus_backward(ddts, raw, 1.0, 20.0)  # autograd's own formula
             ddt_bias = draw.sum((0, 1))
             ddt_out.copy_(draw)
-            du = torch.cat([dxf.to(xs.dtype).flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
+            # the conv's output gradient [dx | dB | dC], dx cast as it is copied in (one pass)
+            du = launch.empty(xbc.shape, xs.dtype, xbc.device)
+            d_inner, gn = H * P, G * N
+            du[..., :d_inner].copy_(dxf.flatten(-2))
+            du[..., d_inner:d_inner + gn].copy_(dB.flatten(-2))
+            du[..., d_inner + gn:].copy_(dC.flatten(-2))
             conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
             dxbc, dconv_w, dconv_b, _ = conv_grads(launch.token_rows(xbc), conv_weight.contiguous(), conv_bias_c,
                                                    None, True, du, dx_out=dxbc_out)

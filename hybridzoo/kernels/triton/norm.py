@@ -157,10 +157,10 @@ def _inputs(x, z, weight, group):
     return x, None if z is None else _rows(z, "z", D)
 
 
-def _fwd(x, z, weight, eps, group, norm_before_gate, zero_centered):
+def _fwd(x, z, weight, eps, group, norm_before_gate, zero_centered, out_dtype=None):
     x, z = _inputs(x, z, weight, group)
     (N, D), (block_n, block_g, warps) = x.shape, _settings(group)
-    y = launch.empty((N, D), x.dtype, x.device)
+    y = launch.empty((N, D), x.dtype if out_dtype is None else out_dtype, x.device)
     rstd = launch.empty((N, D // group), torch.float32, x.device)
     if N:
         _fwd_kernel[(triton.cdiv(N, block_n), D // group)](
@@ -230,11 +230,15 @@ def grouped_rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 
 
 def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int,
-                       norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       norm_before_gate: bool, out_dtype: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated norm's forward (see :func:`hybridzoo.layers.norms.gated_rms_norm`): ``x, z [N, D]``,
     ``weight [D]``, ``D % group_size == 0`` -> ``(y [N, D] in x.dtype, rstd [N, D // group_size]
-    float32)``."""
-    return _fwd(x, z, weight, eps, group_size, norm_before_gate, False)
+    float32)``. ``out_dtype``: y's dtype instead of x's (computed in float32 and rounded once on
+    the store, as ``y.to(out_dtype)`` would round a float32 y)."""
+    if out_dtype is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"gated_rms_norm_fwd: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    return _fwd(x, z, weight, eps, group_size, norm_before_gate, False, out_dtype)
 
 
 def gated_rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,

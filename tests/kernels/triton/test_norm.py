@@ -111,6 +111,21 @@ def test_strided_rows_are_read_in_place():
         assert rel_err(got, want) <= 2e-6
 
 
+def test_out_dtype_rounds_the_float32_output_once():
+    """``out_dtype``: the kernel's float32 value rounded once on the store, bit for bit what casting
+    its float32 output gives (Mamba-2's step hands the norm's output to ``out_proj`` this way), and
+    still the float64 formula to bf16 rounding; a dtype the kernel cannot store is refused."""
+    torch.manual_seed(0)
+    x, z, weight = torch.randn(9, 24), torch.randn(9, 24), torch.randn(24)
+    y32, rstd32 = norm.gated_rms_norm_fwd(x, z, weight, EPS, 12, False)
+    y16, rstd16 = norm.gated_rms_norm_fwd(x, z, weight, EPS, 12, False, out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    assert torch.equal(y16, y32.to(torch.bfloat16)) and torch.equal(rstd16, rstd32)
+    assert rel_err(y16, formula(x.double(), z.double(), weight.double(), EPS, 12, False)) <= 8e-3
+    with pytest.raises(ValueError, match="out_dtype"):
+        norm.gated_rms_norm_fwd(x, z, weight, EPS, 12, False, out_dtype=torch.int32)
+
+
 def test_bad_inputs_are_named():
     x, w = torch.randn(4, 24), torch.randn(24)
     with pytest.raises(ValueError, match=r"x must be \[N, 24\]"):
