@@ -229,6 +229,21 @@ def test_host_time_script_times_both_paths(mixer):
     assert found and all(float(v) > 0 for v in found.groups()), result.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_host_cost_script_refuses_without_a_gpu():
+    """``scripts/host_cost_gpu.py`` times launches on a CUDA GPU; without one it says so and
+    names the CPU count instead, with exit status 2 (not a traceback, not an empty table)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "host_cost_gpu.py"
+    result = subprocess.run([sys.executable, str(script), "--calls", "2"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    assert "needs a CUDA GPU" in result.stderr and "host_ops.py" in result.stderr
+    bad = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--calls and --rounds must be at least 1" in bad.stderr
+
+
 def test_host_ops_script_counts_a_peer_beside_hybridzoo():
     """``scripts/host_ops.py --peer``: fla's RetNet model of the model table's pair, counted the
     same way beside hybridzoo's (its Triton launches skipped, its autotuning answered untimed)."""
