@@ -321,7 +321,7 @@ def norm_settings():
     import importlib
 
     norm = importlib.import_module("hybridzoo.kernels.triton.norm")
-    ints = {"N", "D", "stride_x", "stride_z", "stride_dy", "rows_per_program", "steps"}
+    ints = {"N", "D", "stride_x", "stride_z", "stride_dz", "stride_dy", "rows_per_program", "steps"}
     for dt in ("bf16", "fp32"):
         for group, gated, before in NORM_SHAPES:
             block_n, block_g, warps = norm._settings(group)

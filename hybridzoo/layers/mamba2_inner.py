@@ -145,9 +145,10 @@ class Mamba2Inner(torch.autograd.Function):
                 dyn_w = drows.mT @ yn
                 dout_b = None if out_bias is None else drows.sum(0)
                 # the kernel reads dyn_a in its own dtype and computes in float32
-                dyd, dz, dnorm_w = norm.gated_rms_norm_bwd(dyn_a, yd.view(rows), z.flatten(0, 1),
-                                                          norm_weight, rstd, shape[5], shape[6], False)
-                dz_out.copy_(dz.view(z.shape))
+                # z's gradient goes straight into its columns of dzxbcdt
+                dyd, _, dnorm_w = norm.gated_rms_norm_bwd(dyn_a, yd.view(rows), z.flatten(0, 1),
+                                                         norm_weight, rstd, shape[5], shape[6], False,
+                                                         dz_out=dz_out.flatten(0, 1))
                 dyd = dyd.view(yd.shape)
                 dy = dyd.to(y.dtype)
                 dD = (dyd * xs).sum((0, 1, 3))  # xs promoted within the multiply, as below

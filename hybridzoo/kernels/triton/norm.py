@@ -79,7 +79,7 @@ def _fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr, N, D, stride_x, stride_z, 
 
 @triton.jit
 def _bwd_kernel(dy_ptr, x_ptr, z_ptr, w_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_ptr, N, D, stride_dy, stride_x,
-                stride_z, rows_per_program, steps,
+                stride_z, stride_dz, rows_per_program, steps,
                 G: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                 ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 STEPS_INTERP: tl.constexpr):
@@ -118,7 +118,7 @@ def _bwd_kernel(dy_ptr, x_ptr, z_ptr, w_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_ptr, N
             if not NORM_BEFORE_GATE:
                 dz = du * x * sig * (1.0 + z * (1.0 - sig))
                 dx = du * gate
-            tl.store(dz_ptr + rows[:, None] * D + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_ptr + program * D + cols, dw, mask=cmask)
 
@@ -170,9 +170,9 @@ def _fwd(x, z, weight, eps, group, norm_before_gate, zero_centered, out_dtype=No
     return y, rstd
 
 
-def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weight_grad=True):
+def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weight_grad=True, dz_out=None):
     """``(dx, dz, dweight)``; ``dweight`` None without ``weight_grad`` (the per-program partial
-    sums the kernel writes are then not reduced)."""
+    sums the kernel writes are then not reduced); dz written into ``dz_out`` where given."""
     x, z = _inputs(x, z, weight, group)
     grad = _rows(grad, "grad", weight.shape[0])
     (N, D), (block_n, block_g, warps) = x.shape, _settings(group)
@@ -180,7 +180,7 @@ def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weigh
         raise ValueError(f"fused norm backward: grad {tuple(grad.shape)} and rstd {tuple(rstd.shape)} must be "
                          f"[N, D] = {tuple(x.shape)} and a contiguous [N, D // group] = [{N}, {D // group}]")
     dx = launch.empty((N, D), x.dtype, x.device)
-    dz = None if z is None else launch.empty((N, D), z.dtype, x.device)
+    dz = None if z is None else launch.empty((N, D), z.dtype, x.device) if dz_out is None else dz_out
     if not N:
         return dx, dz, torch.zeros_like(weight) if weight_grad else None
     blocks = triton.cdiv(N, block_n)
@@ -191,7 +191,7 @@ def _bwd(grad, x, z, weight, rstd, group, norm_before_gate, zero_centered, weigh
     dw = launch.empty((programs, D), torch.float32, x.device)
     _bwd_kernel[(programs, D // group)](
         grad, x, x if z is None else z, weight, rstd, dx, dx if dz is None else dz, dw, N, D, grad.stride(0),
-        x.stride(0), 0 if z is None else z.stride(0), steps * block_n, steps,
+        x.stride(0), 0 if z is None else z.stride(0), D if dz is None else dz.stride(0), steps * block_n, steps,
         G=group, HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate),
         ZERO_CENTERED=bool(zero_centered), BLOCK_N=block_n, BLOCK_G=block_g,
         STEPS_INTERP=launch.loop_count(steps), num_warps=warps)
@@ -242,10 +242,15 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 
 
 def gated_rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
-                       rstd: torch.Tensor, eps: float, group_size: int,
-                       norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       rstd: torch.Tensor, eps: float, group_size: int, norm_before_gate: bool,
+                       dz_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated norm's backward from ``grad [N, D]``, the forward's ``x, z [N, D]``, ``weight [D]``
     and ``rstd [N, D // group_size]``: ``(grad_x in x.dtype, grad_z in z.dtype, grad_weight [D] in
     weight.dtype)``. ``eps`` is unused (``rstd`` holds it); it is taken for symmetry with the
-    forward."""
-    return _bwd(grad, x, z, weight, rstd, group_size, norm_before_gate, False)
+    forward. ``dz_out``: where to write grad_z (``[N, D]`` in z's dtype, a dense last dimension;
+    its rows may be strided, e.g. the z columns of a wider gradient), returned as grad_z."""
+    if dz_out is not None and (dz_out.shape != z.shape or dz_out.dtype != z.dtype or dz_out.stride(1) != 1
+                               or dz_out.stride(0) < z.shape[1]):
+        raise ValueError(f"gated_rms_norm_bwd: dz_out must be [N, D] = {tuple(z.shape)} in {z.dtype} with dense rows, "
+                         f"got {tuple(dz_out.shape)} {dz_out.dtype} with strides {dz_out.stride()}")
+    return _bwd(grad, x, z, weight, rstd, group_size, norm_before_gate, False, dz_out=dz_out)

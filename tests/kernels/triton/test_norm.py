@@ -111,6 +111,28 @@ def test_strided_rows_are_read_in_place():
         assert rel_err(got, want) <= 2e-6
 
 
+def test_dz_out_writes_z_gradient_into_columns_of_a_wider_tensor():
+    """``dz_out``: z's gradient written straight into a column slice of a wider buffer (Mamba-2's
+    one-node step writes it into in_proj's gradient), equal to the gradient returned otherwise and
+    to the float64 formula's; the other columns untouched; a buffer of the wrong shape, dtype or
+    layout refused."""
+    torch.manual_seed(1)
+    x, z, weight, grad = torch.randn(11, 24), torch.randn(11, 24), torch.randn(24), torch.randn(11, 24)
+    y, rstd = norm.gated_rms_norm_fwd(x, z, weight, EPS, 12, False)
+    dx, dz, dw = norm.gated_rms_norm_bwd(grad, x, z, weight, rstd, EPS, 12, False)
+    wide = torch.full((11, 40), 7.0)
+    dx2, dz2, dw2 = norm.gated_rms_norm_bwd(grad, x, z, weight, rstd, EPS, 12, False, dz_out=wide[:, 8:32])
+    assert dz2.data_ptr() == wide[:, 8:32].data_ptr()
+    assert torch.equal(wide[:, 8:32], dz) and torch.equal(dx2, dx) and torch.equal(dw2, dw)
+    assert torch.all(wide[:, :8] == 7.0) and torch.all(wide[:, 32:] == 7.0)
+    leaves = [t.double().requires_grad_() for t in (x, z, weight)]
+    want = torch.autograd.grad(formula(*leaves, EPS, 12, False), leaves, grad.double())[1]
+    assert rel_err(wide[:, 8:32], want) <= 2e-6
+    for bad in (torch.empty(11, 20), torch.empty(11, 24, dtype=torch.bfloat16), torch.empty(24, 11).t()):
+        with pytest.raises(ValueError, match="dz_out"):
+            norm.gated_rms_norm_bwd(grad, x, z, weight, rstd, EPS, 12, False, dz_out=bad)
+
+
 def test_out_dtype_rounds_the_float32_output_once():
     """``out_dtype``: the kernel's float32 value rounded once on the store, bit for bit what casting
     its float32 output gives (Mamba-2's step hands the norm's output to ``out_proj`` this way), and
