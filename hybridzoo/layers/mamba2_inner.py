@@ -38,9 +38,15 @@ def ssd_inputs(xs, dt, dt_bias, A_log, limit=NO_LIMIT):
     if tuple(limit) != NO_LIMIT:
         dts = dts.clamp(*limit)
     neg_a = -torch.exp(A_log.to(compute))
-    # xs * Δ promotes xs to Δ's dtype in the multiply itself: the product is what an explicit cast
-    # of xs first gives, without writing and reading that copy
-    return raw, dts, neg_a, dts * neg_a, (xs * dts[..., None]).to(xs.dtype)
+    # xs * Δ promotes xs to Δ's dtype within the multiply (the product an explicit cast of xs first
+    # gives, without writing and reading that copy). Without autograd the product is stored in
+    # xs's dtype as it is computed (rounded once, as .to() rounds it), not as a float32 tensor
+    # cast afterwards
+    if torch.is_grad_enabled() and (xs.requires_grad or dts.requires_grad):
+        v = (xs * dts[..., None]).to(xs.dtype)
+    else:
+        v = torch.mul(xs, dts[..., None], out=torch.empty(xs.shape, dtype=xs.dtype, device=xs.device))
+    return raw, dts, neg_a, dts * neg_a, v
 
 
 def d_skip(y, D, xs):
@@ -161,18 +167,18 @@ class Mamba2Inner(torch.autograd.Function):
                                                             chunk_size=shape[4], backend="triton")
             # v = (x Δ) in xs's dtype; log_a = Δ · (-exp(A_log)); Δ = softplus(dt + dt_bias)
             dvf = dv.to(compute)
-            dxf = dxf + dvf * dts[..., None]
+            # the conv's output gradient [dx | dB | dC] in xs's dtype: dx = dxf + dv Δ is stored
+            # there as it is summed (one rounding, as a cast of the float32 sum)
+            du = launch.empty(xbc.shape, xs.dtype, xbc.device)
+            d_inner, gn = H * P, G * N
+            torch.add(dxf, dvf * dts[..., None], out=du[..., :d_inner].unflatten(-1, (H, P)))
+            du[..., d_inner:d_inner + gn].copy_(dB.flatten(-2))
+            du[..., d_inner + gn:].copy_(dC.flatten(-2))
             ddts = (dvf * xs).sum(-1) + dlog_a * neg_a
             dA_log = (dlog_a * dts).sum((0, 1)) * neg_a
             draw = torch.ops.aten.softplus_backward(ddts, raw, 1.0, 20.0)  # autograd's own formula
             ddt_bias = draw.sum((0, 1))
             ddt_out.copy_(draw)
-            # the conv's output gradient [dx | dB | dC], dx cast as it is copied in (one pass)
-            du = launch.empty(xbc.shape, xs.dtype, xbc.device)
-            d_inner, gn = H * P, G * N
-            du[..., :d_inner].copy_(dxf.flatten(-2))
-            du[..., d_inner:d_inner + gn].copy_(dB.flatten(-2))
-            du[..., d_inner + gn:].copy_(dC.flatten(-2))
             conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
             dxbc, dconv_w, dconv_b, _ = conv_grads(launch.token_rows(xbc), conv_weight.contiguous(), conv_bias_c,
                                                    None, True, du, dx_out=dxbc_out)
