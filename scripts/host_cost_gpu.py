@@ -29,6 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _noop(p, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+          X: tl.constexpr, Y: tl.constexpr):
+    """A kernel that does nothing: its launch is Triton's launch path alone."""
+    pass
+
 
 def per_call(fn, calls: int, rounds: int, warmup: int = 10) -> float:
     """Median over ``rounds`` of the wall microseconds per call of ``calls`` calls of ``fn`` with
@@ -64,8 +74,6 @@ def layer_step(layer, x):
 def measure(calls: int, rounds: int, log=print) -> dict:
     """Every row: ``{name: microseconds per call}`` (and launches per step for our layers)."""
     import torch
-    import triton
-    import triton.language as tl
 
     from hybridzoo.kernels import selective_scan_grads, selective_scan_saved
     from hybridzoo.kernels.triton import launch
@@ -79,11 +87,6 @@ def measure(calls: int, rounds: int, log=print) -> dict:
     def row(name, value):
         rows[name] = value
         log(f"{name:58s} {value:9.1f}" + (" us" if "launches" not in name else ""))
-
-    @triton.jit
-    def _noop(p, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
-              X: tl.constexpr, Y: tl.constexpr):
-        pass
 
     x = torch.zeros(16, device=dev)
     ints = list(range(3, 23))
