@@ -47,6 +47,7 @@ class Mamba1Inner(torch.autograd.Function):
     def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D,
                 dt_rank, cast_dtype):
         from hybridzoo.kernels.triton import launch
+        from hybridzoo.kernels.triton.conv import final_state
 
         launch.require_usable("causal_conv1d", xz.device, xz, conv_weight, conv_bias)
         # the projections' weights as F.linear under autocast would use them, cast once: the
@@ -60,8 +61,7 @@ class Mamba1Inner(torch.autograd.Function):
             z = xz[..., xz.shape[-1] // 2:]
             y, final, saved = selective_scan_saved(u, delta, A, B, C, D, z, dt_proj_bias, True, None,
                                                    backend="triton")
-        width = conv_weight.shape[1]
-        tail = xz[:, xz.shape[1] - (width - 1):, :xz.shape[-1] // 2].clone()
+        tail = final_state(xz[..., :xz.shape[-1] // 2], conv_weight.shape[1])
         ctx.save_for_backward(xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved)
         ctx.dt_rank, ctx.weight_dtypes = dt_rank, (x_proj_weight.dtype, dt_proj_weight.dtype)
         ctx.set_materialize_grads(False)
@@ -85,7 +85,7 @@ class Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dtail, dfinal):
         from hybridzoo.kernels.triton import launch
-        from hybridzoo.kernels.triton.conv import conv_grads
+        from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
         from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as scan_grads
 
         xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved = ctx.saved_tensors
@@ -110,9 +110,7 @@ class Mamba1Inner(torch.autograd.Function):
             conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
             dx_in, dconv_weight, dconv_bias, _ = conv_grads(launch.token_rows(x_in), conv_weight.contiguous(),
                                                             conv_bias_c, None, True, du, dx_out=dxz[..., :half])
-            if dtail is not None:  # the tail is a copy of x_in's last W - 1 tokens
-                keep = dtail.shape[1]
-                dx_in[:, dx_in.shape[1] - keep:] += dtail
+            add_final_state_grad(dx_in, dtail)
         # the weights' gradients in their own dtype, as autograd's cast backward gives them
         return (dxz, dconv_weight, dconv_bias, dwx.to(ctx.weight_dtypes[0]), dwdt.to(ctx.weight_dtypes[1]),
                 dbias, dA * A, dD, None, None)

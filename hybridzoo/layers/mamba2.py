@@ -29,11 +29,11 @@ from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
 from hybridzoo.kernels._dispatch import runs_on_triton
-from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers import recompute
+from hybridzoo.layers.base import Mixer, init_dt_bias_
 from hybridzoo.layers.conv import ShortConv, short_conv
 from hybridzoo.layers.mamba2_inner import NO_LIMIT, Mamba2Inner, d_skip, ssd_inputs
-from hybridzoo.layers.norms import GatedRMSNorm, gated_rms_norm
+from hybridzoo.layers.norms import GatedRMSNorm, _fused_kernels, gated_rms_norm
 from hybridzoo.layers.recompute import Kept, kept_op, linear_grads, maybe_recomputed, plain_modules
 from hybridzoo.layers.state import RecurrentState, state_dtype
 from hybridzoo.parallel.context import sharded
@@ -171,8 +171,6 @@ class Mamba2(Mixer):
         autograd node with a written-out backward) instead of the recomputed body: a gradient is
         wanted, no state comes in, the sequence fills the conv's window, no step-size limit, and
         the conv, the scan and the gated norm run on our Triton kernels."""
-        from hybridzoo.layers.norms import _fused_kernels
-
         return (state is None and tuple(self.config.time_step_limit) == NO_LIMIT
                 and self.conv1d.activation == "silu" and self.norm.norm_before_gate is False
                 and zxbcdt.shape[1] >= self.config.d_conv - 1 and zxbcdt.shape[1] > 1

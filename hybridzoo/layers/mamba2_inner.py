@@ -77,6 +77,7 @@ class Mamba2Inner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias, shape):
         from hybridzoo.kernels.triton import norm
+        from hybridzoo.kernels.triton.conv import final_state
 
         with torch.autocast(zxbcdt.device.type, enabled=False):
             z, xbc, dt = Mamba2Inner._split(zxbcdt, shape)
@@ -91,8 +92,7 @@ class Mamba2Inner(torch.autograd.Function):
             yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
                                             shape[6], False, out_dtype=dtype)
             out = F.linear(yn.view(*z.shape), out_weight.to(dtype), None if out_bias is None else out_bias.to(dtype))
-        width = conv_weight.shape[1]
-        tail = xbc[:, xbc.shape[1] - (width - 1):].clone()
+        tail = final_state(xbc, conv_weight.shape[1])
         ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias,
                               y)
         ctx.shape = shape
@@ -124,7 +124,7 @@ class Mamba2Inner(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dtail, dfinal):
         from hybridzoo.kernels.triton import launch, norm
-        from hybridzoo.kernels.triton.conv import conv_grads
+        from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
 
         zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias, y = ctx.saved_tensors
         shape = ctx.shape
@@ -182,9 +182,7 @@ class Mamba2Inner(torch.autograd.Function):
             conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
             dxbc, dconv_w, dconv_b, _ = conv_grads(launch.token_rows(xbc), conv_weight.contiguous(), conv_bias_c,
                                                    None, True, du, dx_out=dxbc_out)
-            if dtail is not None:  # the tail is a copy of xBC's last W - 1 tokens
-                keep = dtail.shape[1]
-                dxbc[:, length - keep:] += dtail
+            add_final_state_grad(dxbc, dtail)
         # each parameter's gradient in its own dtype, as autograd's cast backward gives them
         return (dzxbcdt, dconv_w, dconv_b, ddt_bias.to(dt_bias.dtype), dA_log.to(A_log.dtype),
                 None if dD is None else dD.to(D.dtype), dnorm_w,

@@ -367,12 +367,23 @@ def causal_conv1d(
     else:
         y = _CausalConv1dFn.apply(launch.token_rows(x), weight.contiguous(),
                                   None if bias is None else bias.contiguous(), state, activation == "silu")
-    final_state = None
-    if output_final_state:  # the last W-1 inputs of cat(initial_state, x): an exact copy
-        keep = width - 1
-        if length >= keep:
-            final_state = x[:, length - keep:].clone()
-        else:
-            tail = x.new_zeros(batch, keep, dm) if initial_state is None else initial_state.to(x.dtype)
-            final_state = torch.cat([tail[:, length:], x], dim=1)
-    return y, final_state
+    return y, (final_state(x, width, initial_state) if output_final_state else None)
+
+
+def final_state(x: torch.Tensor, width: int, initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The conv's state after ``x [B, T, Dm]``: the last ``W − 1`` inputs of
+    ``cat(initial_state, x)`` (zeros before position 0 without one), ``[B, W-1, Dm]`` in x.dtype,
+    an exact copy; differentiable. Where T >= W − 1 its gradient flows to x's last tokens only
+    (:func:`add_final_state_grad`)."""
+    keep, length = width - 1, x.shape[1]
+    if length >= keep:
+        return x[:, length - keep:].clone()
+    tail = x.new_zeros(x.shape[0], keep, x.shape[2]) if initial_state is None else initial_state.to(x.dtype)
+    return torch.cat([tail[:, length:], x], dim=1)
+
+
+def add_final_state_grad(dx: torch.Tensor, dfinal: torch.Tensor | None) -> None:
+    """Add the gradient of :func:`final_state` (for T >= W − 1, ``dfinal [B, W-1, Dm]``) into
+    x's gradient ``dx [B, T, Dm]`` in place; None adds nothing."""
+    if dfinal is not None:
+        dx[:, dx.shape[1] - dfinal.shape[1]:] += dfinal

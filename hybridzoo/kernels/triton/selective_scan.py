@@ -886,7 +886,8 @@ def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str):
     batch, length, _ = u.shape
     n = A.shape[1]
     B4, C4 = B.reshape(batch, length, groups, n), C.reshape(batch, length, groups, n)
-    if launch.row_stride(B4) is None or launch.row_stride(B4) != launch.row_stride(C4):
+    bcs = launch.row_stride(B4)
+    if bcs is None or bcs != launch.row_stride(C4):
         B4, C4 = B4.contiguous(), C4.contiguous()
     u_, delta_, A_, D_, bias_ = (None if x is None else x.contiguous() for x in (u, delta, A, D, delta_bias))
     z_ = None if z is None else launch.token_rows(z)
