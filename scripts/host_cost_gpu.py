@@ -11,8 +11,8 @@ call's GPU work is shorter than its host work, so the figure is the host's.
 
     python scripts/host_cost_gpu.py --out host-cost.json
 
-Rows: a bare Triton launch of a 22-argument kernel and a bare ``torch.add`` (the floor of each
-kind of launch); our conv and selective-scan wrappers; one Mamba-1 and one Mamba-2 layer's
+Rows: a bare Triton launch of a 22-argument kernel, the same through Triton's autotuner with its
+choice cached, and a bare ``torch.add`` (the floor of each kind of launch); our conv and selective-scan wrappers; one Mamba-1 and one Mamba-2 layer's
 forward and backward (d_model 768) with the share of it spent inside
 :func:`hybridzoo.kernels.triton.launch.run` and the launches per step; and, where mamba_ssm and
 causal_conv1d are installed, their conv, scan and layers at the same shapes.
@@ -91,6 +91,9 @@ def measure(calls: int, rounds: int, log=print) -> dict:
     x = torch.zeros(16, device=dev)
     ints = list(range(3, 23))
     row("bare Triton launch (22 arguments)", per_call(lambda: _noop[(1,)](x, *ints, X=1, Y=2), calls, rounds))
+    tuned = triton.autotune([triton.Config({}, num_warps=1), triton.Config({}, num_warps=2)], key=["a0"])(_noop)
+    row("autotuned Triton launch (22 arguments, choice cached)",
+        per_call(lambda: tuned[(1,)](x, *ints, X=1, Y=2), calls, rounds))
     row("bare torch.add", per_call(lambda: x.add(1), calls, rounds))
 
     torch.manual_seed(0)
