@@ -240,6 +240,30 @@ def tuning_key(kernel, args: tuple, consts: dict) -> tuple:
     return tuple(key + [str(value.dtype) for value in named.values() if hasattr(value, "dtype")])
 
 
+_KEY_PLANS: dict = {}  # autotuner -> (positional arguments, where each key argument is, later argument names)
+
+
+def cached_choice(kernel, args: tuple, consts: dict):
+    """The config ``kernel`` (a ``triton.runtime.Autotuner`` of two or more candidates) has cached
+    for this launch, or None. The key is :func:`tuning_key`'s, formed from where each key argument
+    sits, worked out once per kernel and count of positional arguments: Triton's own lookup
+    matches every argument's name against the list of names at every launch, some 15 us of host
+    time for a 46-argument kernel on a CPU core, paid by every launch of a small model's step."""
+    if len(kernel.configs) < 2:
+        return None
+    plan = _KEY_PLANS.get(kernel)
+    if plan is None or plan[0] != len(args):
+        names = kernel.arg_names
+        where = {name: i for i, name in enumerate(names)}
+        keys = tuple(where[k] if where[k] < len(args) else k for k in kernel.keys if k in where)
+        plan = _KEY_PLANS[kernel] = (len(args), keys, frozenset(names[len(args):]))
+    _, keys, later = plan
+    key = [args[k] if isinstance(k, int) else consts[k] for k in keys if isinstance(k, int) or k in consts]
+    key += [str(value.dtype) for value in args if hasattr(value, "dtype")]
+    key += [str(value.dtype) for name, value in consts.items() if name in later and hasattr(value, "dtype")]
+    return kernel.cache.get(tuple(key))
+
+
 def precompile(kernel, grid, args: tuple, consts: dict, threads: int | None = None) -> bool:
     """Compile every candidate of an autotuned launch on ``threads`` threads at once (default
     :data:`COMPILE_THREADS`), before the autotuner times them. Triton's autotuner compiles each
@@ -322,9 +346,14 @@ def run(kernel, grid, *args, fixed: dict, **consts):
     Returns the settings the launch used (``fixed`` or the autotuner's choice)."""
     if isinstance(kernel, triton.runtime.Autotuner):
         if AUTOTUNE:
-            kernel[grid](*args, **consts)
-            return {**kernel.best_config.kwargs, "num_warps": kernel.best_config.num_warps,
-                    "num_stages": kernel.best_config.num_stages}
+            config = cached_choice(kernel, args, consts)
+            if config is None or config.pre_hook is not None:
+                kernel[grid](*args, **consts)  # tunes (or reads the disk cache) on a new key
+                config = kernel.best_config
+            else:  # what the autotuner's run does with a cached choice, without re-forming its key
+                kernel.best_config = config
+                kernel.fn[grid](*args, **consts, **config.all_kwargs())
+            return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
         kernel = kernel.fn
     kernel[grid](*args, **consts, **fixed)
     return fixed

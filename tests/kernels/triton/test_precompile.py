@@ -58,6 +58,38 @@ def test_tuning_key_is_the_key_the_autotuner_caches_its_choice_under(monkeypatch
     assert len(tuned.cache) == 3
 
 
+def test_a_cached_choice_is_launched_without_the_autotuners_own_lookup(monkeypatch):
+    """``launch.cached_choice`` finds the config under the key Triton cached it under (key arguments
+    given by position or by name, every tensor's dtype), None for a key not tuned; ``launch.run``
+    then launches the plain kernel with that config, without ``Autotuner.run``."""
+    tuned = triton.autotune(launch.warp_configs({"BLOCK": (32, 64)}), key=["n", "VALUE"])(_fill_kernel)
+    monkeypatch.setattr(tuned, "cache_results", False)
+    monkeypatch.setattr(tuned, "_bench", lambda *args, config, **meta: [100.0 - config.kwargs["BLOCK"]] * 3)
+    monkeypatch.setattr(launch, "COMPILE_THREADS", 0)
+    out32, out64 = torch.zeros(100), torch.zeros(100, dtype=torch.float64)
+    assert launch.cached_choice(tuned, (out32, 100), {"VALUE": 2.0}) is None
+    launch.run(tuned, _grid, out32, 100, VALUE=2.0, fixed=dict(BLOCK=16, num_warps=4))  # Triton tunes
+    chosen = tuned.best_config
+    assert chosen.kwargs["BLOCK"] == 64
+    assert launch.cached_choice(tuned, (out32, 100), {"VALUE": 2.0}) is chosen
+    for args, consts in (((out32, 60), {"VALUE": 2.0}), ((out32, 100), {"VALUE": 3.0}), ((out64, 100), {"VALUE": 2.0})):
+        assert launch.cached_choice(tuned, args, consts) is None
+    assert launch.cached_choice(tuned, (out32,), {"n": 100, "VALUE": 2.0}) is chosen  # n by name
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Autotuner.run called for a cached choice")
+
+    monkeypatch.setattr(tuned, "run", refuse)
+    tuned.best_config = None
+    out32.zero_()
+    used = launch.run(tuned, _grid, out32, 100, VALUE=2.0, fixed=dict(BLOCK=16, num_warps=4))
+    assert torch.equal(out32, torch.full((100,), 2.0))
+    assert used == {"BLOCK": 64, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
+    assert tuned.best_config is chosen
+    with pytest.raises(AssertionError, match="Autotuner.run"):  # a key not tuned goes to the autotuner
+        launch.run(tuned, _grid, out32, 60, VALUE=2.0, fixed=dict(BLOCK=16, num_warps=4))
+
+
 def test_precompile_warms_every_candidate_up_in_async_mode_once_per_key(monkeypatch):
     tuned = _tuned()
     warmed = []
