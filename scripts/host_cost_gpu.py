@@ -13,7 +13,8 @@ call's GPU work is shorter than its host work, so the figure is the host's.
 
 Rows: a bare Triton launch of a 22-argument kernel, the same through Triton's autotuner with its
 choice cached, and a bare ``torch.add`` (the floor of each kind of launch); our conv and selective-scan wrappers; one Mamba-1 and one Mamba-2 layer's
-forward and backward (d_model 768) with the share of it spent inside
+forward and backward (d_model 768), again with each cached autotuner choice looked up by Triton's
+own autotuner instead of :func:`hybridzoo.kernels.triton.launch.cached_choice`, with the share of it spent inside
 :func:`hybridzoo.kernels.triton.launch.run` and the launches per step; and, where mamba_ssm and
 causal_conv1d are installed, their conv, scan and layers at the same shapes.
 """
@@ -127,6 +128,11 @@ def measure(calls: int, rounds: int, log=print) -> dict:
                                                                                           chunk_size=32)))):
         step = layer_step(layer.to(dev), x_in)
         row(f"ours: {name} layer forward + backward", per_call(step, max(1, calls // 3), rounds))
+        own_lookup, launch.cached_choice = launch.cached_choice, lambda *args: None
+        try:
+            row(f"ours: {name} layer, Triton's own autotuner lookup", per_call(step, max(1, calls // 3), rounds))
+        finally:
+            launch.cached_choice = own_lookup
         launch.run, spent["s"], spent["n"] = timed_run, 0.0, 0
         try:
             for _ in range(max(1, calls // 3)):
