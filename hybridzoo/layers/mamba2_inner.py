@@ -91,11 +91,11 @@ class Mamba2Inner(torch.autograd.Function):
             # .to(dtype) of its float32 output gives)
             yn, _ = norm.gated_rms_norm_fwd(yd.flatten(0, 1).flatten(-2), z.flatten(0, 1), norm_weight, shape[5],
                                             shape[6], False, out_dtype=dtype)
-            out = F.linear(yn.view(*z.shape), out_weight.to(dtype), None if out_bias is None else out_bias.to(dtype))
+            w = out_weight.to(dtype)  # cast once: the backward reuses it
+            out = F.linear(yn.view(*z.shape), w, None if out_bias is None else out_bias.to(dtype))
         tail = final_state(xbc, conv_weight.shape[1])
-        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias,
-                              y)
-        ctx.shape = shape
+        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, w, out_bias, y)
+        ctx.shape, ctx.out_weight_dtype = shape, out_weight.dtype
         ctx.set_materialize_grads(False)
         return out, tail, final
 
@@ -126,7 +126,7 @@ class Mamba2Inner(torch.autograd.Function):
         from hybridzoo.kernels.triton import launch, norm
         from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
 
-        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, out_bias, y = ctx.saved_tensors
+        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, w, out_bias, y = ctx.saved_tensors
         shape = ctx.shape
         H, P, G, N = shape[:4]
         batch, length = zxbcdt.shape[:2]
@@ -146,7 +146,6 @@ class Mamba2Inner(torch.autograd.Function):
             dyn_a = dyn_w = dout_b = None
             if dout is not None:
                 drows = dout.reshape(-1, dout.shape[-1])
-                w = out_weight.to(dtype)
                 dyn_a = drows @ w
                 dyn_w = drows.mT @ yn
                 dout_b = None if out_bias is None else drows.sum(0)
@@ -186,5 +185,5 @@ class Mamba2Inner(torch.autograd.Function):
         # each parameter's gradient in its own dtype, as autograd's cast backward gives them
         return (dzxbcdt, dconv_w, dconv_b, ddt_bias.to(dt_bias.dtype), dA_log.to(A_log.dtype),
                 None if dD is None else dD.to(D.dtype), dnorm_w,
-                None if dyn_w is None else dyn_w.to(out_weight.dtype),
+                None if dyn_w is None else dyn_w.to(ctx.out_weight_dtype),
                 None if dout_b is None else dout_b.to(out_bias.dtype), None)
