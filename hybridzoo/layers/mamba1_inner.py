@@ -3,14 +3,17 @@
 :class:`~hybridzoo.layers.mamba1.Mamba1` otherwise runs that part through
 :func:`~hybridzoo.layers.recompute.recomputed`: its backward runs the body again with autograd on
 and backpropagates through the fresh graph. The GPU work is the same here, but the backward is
-written out (the conv and the two small projections recomputed, the scan's gradients from its
-saved states, then the projections', the conv's and the parameters' gradients in order), so the
-host records no second graph: fewer op dispatches and weight casts per layer and step, which is
-what a small model's step waits on.
+written out (the conv and the step sizes recomputed, the scan's gradients from its saved states,
+then the projections', the conv's and the parameters' gradients in order), so the host records no
+second graph: fewer op dispatches and weight casts per layer and step, which is what a small
+model's step waits on.
 
 Taken on our Triton kernels (CUDA, or the interpreter with ``backend="triton"``) for a whole
 sequence with no carried state; every other call keeps the general path. The tensors kept for the
-backward are the general path's: ``in_proj``'s output, the parameters and the scan's saved states.
+backward are the general path's (``in_proj``'s output, the parameters and the scan's saved states)
+and, as mamba_ssm keeps them, ``x_proj``'s output (``dt_rank + 2N`` columns: 160 bytes a token in
+bf16 at Mamba-130m's shape) and A, which the backward would otherwise recompute (one GEMM that
+reads the conv's output, and two ops).
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class Mamba1Inner(torch.autograd.Function):
             y, final, saved = selective_scan_saved(u, delta, A, B, C, D, z, dt_proj_bias, True, None,
                                                    backend="triton")
         tail = final_state(xz[..., :xz.shape[-1] // 2], conv_weight.shape[1])
-        ctx.save_for_backward(xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved)
+        # x_proj's output (dt_rank + 2N columns) and A are kept, not recomputed, as mamba_ssm keeps them
+        ctx.save_for_backward(xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, D, saved, x_dbl, A)
         ctx.dt_rank, ctx.weight_dtypes = dt_rank, (x_proj_weight.dtype, dt_proj_weight.dtype)
         ctx.set_materialize_grads(False)
         return y, tail, final
@@ -71,16 +75,21 @@ class Mamba1Inner(torch.autograd.Function):
     def _projections(xz, conv_weight, conv_bias, wx, wdt, A_log, dt_rank):
         """The conv's output ``u``, ``x_proj(u)`` (weight ``wx``), the step sizes before their bias
         and softplus (weight ``wdt``), and A."""
-        from hybridzoo.kernels.triton import launch
-        from hybridzoo.kernels.triton.conv import conv_forward
-
-        x_in = xz[..., :xz.shape[-1] // 2]
-        u = conv_forward(launch.token_rows(x_in), conv_weight.contiguous(),
-                         None if conv_bias is None else conv_bias.contiguous(), None, True)
+        u = Mamba1Inner._conv(xz, conv_weight, conv_bias)
         x_dbl = F.linear(u, wx)
         delta = F.linear(x_dbl[..., :dt_rank], wdt)
         A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))
         return u, x_dbl, delta, A
+
+    @staticmethod
+    def _conv(xz, conv_weight, conv_bias):
+        """The conv's output ``u [B, T, d_inner]`` (SiLU) from xz's first half."""
+        from hybridzoo.kernels.triton import launch
+        from hybridzoo.kernels.triton.conv import conv_forward
+
+        x_in = xz[..., :xz.shape[-1] // 2]
+        return conv_forward(launch.token_rows(x_in), conv_weight.contiguous(),
+                            None if conv_bias is None else conv_bias.contiguous(), None, True)
 
     @staticmethod
     def backward(ctx, dy, dtail, dfinal):
@@ -88,10 +97,11 @@ class Mamba1Inner(torch.autograd.Function):
         from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
         from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as scan_grads
 
-        xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, A_log, D, saved = ctx.saved_tensors
+        xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, D, saved, x_dbl, A = ctx.saved_tensors
         r = ctx.dt_rank
         with torch.autocast(xz.device.type, enabled=False):
-            u, x_dbl, delta, A = Mamba1Inner._projections(xz, conv_weight, conv_bias, wx, wdt, A_log, r)
+            u = Mamba1Inner._conv(xz, conv_weight, conv_bias)  # recomputed, as delta is
+            delta = F.linear(x_dbl[..., :r], wdt)
             n = A.shape[1]
             dt, B, C = x_dbl.split([r, n, n], dim=-1)
             half = xz.shape[-1] // 2
