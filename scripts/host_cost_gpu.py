@@ -12,9 +12,10 @@ call's GPU work is shorter than its host work, so the figure is the host's.
     python scripts/host_cost_gpu.py --out host-cost.json
 
 Rows: a bare Triton launch of a 22-argument kernel, the same through Triton's autotuner with its
-choice cached, and a bare ``torch.add`` (the floor of each kind of launch); our conv and selective-scan wrappers; one Mamba-1 and one Mamba-2 layer's
-forward and backward (d_model 768), again with each cached autotuner choice looked up by Triton's
-own autotuner instead of :func:`hybridzoo.kernels.triton.launch.cached_choice`, with the share of it spent inside
+choice cached, and a bare ``torch.add`` (the floor of each kind of launch); our conv and
+selective-scan wrappers; one Mamba-1 and one Mamba-2 layer's forward and backward (d_model 768),
+again with each cached autotuner choice looked up by Triton's own autotuner instead of
+:func:`hybridzoo.kernels.triton.launch.cached_choice`, with the share of it spent inside
 :func:`hybridzoo.kernels.triton.launch.run` and the launches per step; and, where mamba_ssm and
 causal_conv1d are installed, their conv, scan and layers at the same shapes.
 """

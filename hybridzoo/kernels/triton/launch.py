@@ -233,35 +233,28 @@ COMPILE_THREADS = _compile_threads()
 def tuning_key(kernel, args: tuple, consts: dict) -> tuple:
     """The key under which ``kernel`` (a ``triton.runtime.Autotuner``) caches its choice for this
     launch, formed as Triton forms it: the values of its ``key`` arguments, then the dtype of
-    every tensor argument, in the kernel's argument order."""
-    named = {**dict(zip(kernel.arg_names, args)), **consts}
-    named = {name: value for name, value in named.items() if name in kernel.arg_names}
-    key = [named[name] for name in kernel.keys if name in named]
-    return tuple(key + [str(value.dtype) for value in named.values() if hasattr(value, "dtype")])
-
-
-_KEY_PLANS: dict = {}  # autotuner -> (positional arguments, where each key argument is, later argument names)
-
-
-def cached_choice(kernel, args: tuple, consts: dict):
-    """The config ``kernel`` (a ``triton.runtime.Autotuner`` of two or more candidates) has cached
-    for this launch, or None. The key is :func:`tuning_key`'s, formed from where each key argument
-    sits, worked out once per kernel and count of positional arguments: Triton's own lookup
-    matches every argument's name against the list of names at every launch, some 15 us of host
-    time for a 46-argument kernel on a CPU core, paid by every launch of a small model's step."""
-    if len(kernel.configs) < 2:
-        return None
-    plan = _KEY_PLANS.get(kernel)
+    every tensor argument, in the kernel's argument order. Where each key argument sits is worked
+    out once per kernel and count of positional arguments: Triton's own lookup matches every
+    argument's name against the list of names at every launch, some 15 us of host time for a
+    46-argument kernel on a CPU core, paid by every launch of a small model's step."""
+    plan = kernel.__dict__.get("_hybridzoo_key_plan")
     if plan is None or plan[0] != len(args):
         names = kernel.arg_names
         where = {name: i for i, name in enumerate(names)}
         keys = tuple(where[k] if where[k] < len(args) else k for k in kernel.keys if k in where)
-        plan = _KEY_PLANS[kernel] = (len(args), keys, frozenset(names[len(args):]))
+        plan = kernel._hybridzoo_key_plan = (len(args), keys, frozenset(names[len(args):]))
     _, keys, later = plan
     key = [args[k] if isinstance(k, int) else consts[k] for k in keys if isinstance(k, int) or k in consts]
     key += [str(value.dtype) for value in args if hasattr(value, "dtype")]
     key += [str(value.dtype) for name, value in consts.items() if name in later and hasattr(value, "dtype")]
-    return kernel.cache.get(tuple(key))
+    return tuple(key)
+
+
+def cached_choice(kernel, args: tuple, consts: dict):
+    """The config ``kernel`` (a ``triton.runtime.Autotuner``) has cached for this launch under
+    :func:`tuning_key`, or None (not tuned yet, or fewer than two candidates: Triton then keeps
+    no cache)."""
+    return kernel.cache.get(tuning_key(kernel, args, consts)) if len(kernel.configs) > 1 else None
 
 
 def precompile(kernel, grid, args: tuple, consts: dict, threads: int | None = None) -> bool:
