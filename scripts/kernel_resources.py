@@ -233,7 +233,12 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1 maxnreg=168": 576,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=8 warps=2": 72,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=16 warps=4": 64,
-                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=32 warps=8": 48}
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=32 warps=8": 48,
+                 # the forward's segment pass (run only where SEGMENTS asks for more than one), with
+                 # the entering state folded into its first token (selective_scan._block_states): a
+                 # 16-byte stack frame at 96 registers with Triton 3.7.1 (12 B), none with 3.6 and 3.9
+                 "selective_scan _fwd_carry_kernel BLOCK_D=8 warps=1": 12,
+                 "selective_scan _fwd_carry_kernel N=64 BLOCK_D=4 warps=2": 12}
 
 
 def elementwise_settings():

@@ -102,7 +102,7 @@ def _config(training: bool, block_n: int = 16) -> dict:
 # N = 16 backward tiles would hold 128 elements a thread; the 2-wide tile on 8 warps holds 8 and
 # does not spill, the 4-wide on 8 holds 16 and spills 16 to 32 B (the 2-wide on 4 warps spilled
 # 460 B with Triton 3.9 and is no candidate).
-FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 2), (4, 8))]
+FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (8, 2), (16, 2), (4, 1), (4, 2), (4, 8))]
 # The 4-wide 1-warp backward holds 255 registers a thread, so 8 programs share an SM. Capped at
 # BWD_MAXNREG (it then spills some 440 B), 12 do: faster where the grid fills several such waves
 # (B8 T2048 D1536: 3.40 against 3.97 ms), slower where it fills about one (B2 T16384 D2048: 12.15
@@ -202,6 +202,14 @@ DT_BLOCK_R, DT_BLOCK_D = 32, 128
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
+# exp as one ex2.approx.ftz.f32 on CUDA (a single MUFU.EX2; results below 2^-126 flush to zero, where
+# a decay or softplus term is zero to float32 anyway), with log2(e) folded into A once a program. tl.exp
+# compiles for sm_90 to a multiply by log2(e), a range check and two predicated multiplies around the
+# same MUFU.EX2: 4 instructions more for each of the BLOCK_T x N x BLOCK_D decays of a time block.
+# tl.exp2 under the interpreter and on other backends.
+FAST_EXP = tl.constexpr(not launch.interpret() and torch.version.hip is None)
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _combine(a1, b1, a2, b2):
@@ -210,10 +218,20 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
+def _exp2(x):
+    """``2^x``, float32 (:data:`FAST_EXP`)."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _step_size(raw, SOFTPLUS: tl.constexpr):
     """``softplus(raw)`` (accurate log1p(exp(raw)), identity above 20) or ``raw``."""
     if SOFTPLUS:
-        e = tl.exp(tl.minimum(raw, 20.0))
+        e = _exp2(tl.minimum(raw, 20.0) * LOG2E)
         w = 1.0 + e
         log1p = tl.where(w == 1.0, e, tl.log(w) * (e / tl.where(w == 1.0, 1.0, w - 1.0)))
         return tl.where(raw > 20.0, raw, log1p)
@@ -279,6 +297,7 @@ def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     return tl.where(m2, _step_size(raw, SOFTPLUS), 0.0), raw
 
 
+
 @triton.jit
 def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS,
                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DT_GIVEN: tl.constexpr):
@@ -300,13 +319,33 @@ def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, n
 
 
 @triton.jit
-def _block_states(u, dt, Bt, A, h):
+def _latest(v1, r1, v2, r2):
+    """Reduction combine of ``(value, row)`` pairs: the pair of the later row."""
+    return tl.where(r2 > r1, v2, v1), tl.maximum(r1, r2)
+
+
+@triton.jit
+def _row(x, rows, j):
+    """Row ``j`` of a ``[BLOCK_T, BLOCK_N, BLOCK_D]`` tile, ``[BLOCK_N, BLOCK_D]``: the latest of
+    the rows up to ``j`` (:func:`_latest`). Where time lies in each thread's registers (every launch
+    setting the kernels take) the rows are constants of the compiled code and this selects
+    registers, with no arithmetic (a masked sum would add BLOCK_T - 1 zeros to every lane)."""
+    r = tl.broadcast_to(tl.where(rows <= j, rows, -1)[:, None, None], x.shape)
+    picked, _ = tl.reduce((x, r), 0, _latest)
+    return picked
+
+
+@triton.jit
+def _block_states(u, dt, Bt, A, h, rows):
     """The states of a block's tokens from the state ``h`` entering it, ``[BLOCK_T, BLOCK_N,
-    BLOCK_D]`` (``a = exp(Δ A)``, ``x = Δ B u``, an associative scan over time), and ``x``."""
-    a = tl.exp(dt[:, None, :] * A[None, :, :])
+    BLOCK_D]`` (``a = exp(Δ A)``, ``x = Δ B u``, an associative scan over time), and ``x``.
+    ``h`` is folded into the first token's ``x`` (``a_0 h + x_0``), so only the scan's second
+    output is used and its running products of ``a`` compile away where time lies in registers."""
+    a = _exp2(dt[:, None, :] * (A * LOG2E)[None, :, :])
     x = (dt * u)[:, None, :] * Bt[:, :, None]
-    a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
-    return x_cum + a_cum * h[None, :, :], x
+    first = tl.where((rows == 0)[:, None, None], x + a * h[None, :, :], x)
+    _, hs = tl.associative_scan((a, first), 0, _combine)
+    return hs, x
 
 
 @triton.jit
@@ -330,11 +369,13 @@ def _block_adjoint(delta_ptr, bias, b, t, d, dmask, T, DM, A, dy0, Ct, carry, ro
 def _adjoint_scan(dt_next, A, dy0, Ct, carry, rows):
     """:func:`_block_adjoint`'s scan from the next tokens' step sizes ``dt_next``: ``(g, g at
     the block's first token)``."""
-    a_next = tl.exp(dt_next[:, None, :] * A[None, :, :])
+    a_next = _exp2(dt_next[:, None, :] * (A * LOG2E)[None, :, :])
     c = dy0[:, None, :] * Ct[:, :, None]
-    g_a, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
-    gs = tl.flip(g_b, 0) + tl.flip(g_a, 0) * carry[None, :, :]
-    return gs, tl.sum(tl.where((rows == 0)[:, None, None], gs, 0.0), axis=0)
+    # the carry folded into the last token's term, as the state into the forward's first
+    c = tl.where((rows == rows.shape[0] - 1)[:, None, None], c + a_next * carry[None, :, :], c)
+    _, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
+    gs = tl.flip(g_b, 0)
+    return gs, _row(gs, rows, 0)
 
 
 @triton.jit
@@ -367,7 +408,7 @@ def _fwd_kernel(
         sp = 0
         while sp < seg:
             sdt = tl.load(sdt_ptr + (b * S + sp) * DM + d, mask=dmask, other=0.0)
-            h = tl.exp(sdt[None, :] * A) * h + tl.load(hl_ptr + (b * S + sp) * DM * N + dn, mask=dn_mask, other=0.0)
+            h = _exp2(sdt[None, :] * (A * LOG2E)) * h + tl.load(hl_ptr + (b * S + sp) * DM * N + dn, mask=dn_mask, other=0.0)
             sp += 1
     rows = tl.arange(0, BLOCK_T)
     # software-pipelined over time blocks (STAGES): the next block's loads overlap this one's scan;
@@ -381,11 +422,11 @@ def _fwd_kernel(
             u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS, HAS_BIAS, SOFTPLUS,
             DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        hs, x = _block_states(u, dt, Bt, A, h)  # states of the block's tokens, on chip only
+        hs, x = _block_states(u, dt, Bt, A, h, rows)  # states of the block's tokens, on chip only
         if STORE_CKPT:  # the state entering each later sub-block: after the token before it
             for j in tl.static_range(1, BLOCK_T // CKPT_T):
                 sub = blk * (BLOCK_T // CKPT_T) + j
-                h_sub = tl.sum(tl.where((rows == j * CKPT_T - 1)[:, None, None], hs, 0.0), axis=0)
+                h_sub = _row(hs, rows, j * CKPT_T - 1)
                 tl.store(ckpt_ptr + (b * NBC + sub) * DM * N + dn, h_sub, mask=dn_mask & (sub < NBC))
         y = tl.sum(hs * Ct[:, :, None], axis=1)
         if HAS_D:
@@ -394,7 +435,7 @@ def _fwd_kernel(
             zv = tl.load(z_ptr + (off + (b * T + t)[:, None] * (ZS - DM)), mask=m2, other=0.0).to(tl.float32)
             y = y * zv * tl.sigmoid(zv)
         tl.store(y_ptr + off, y, mask=m2)
-        h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
+        h = _row(hs, rows, BLOCK_T - 1)
     tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask & (seg == S - 1))
 
 
@@ -418,8 +459,8 @@ def _fwd_carry_kernel(
         m2, off, u, dt, bc_off, bc_mask, Bt = _block_inputs(
             u_ptr, delta_ptr, delta_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS, HAS_BIAS, SOFTPLUS,
             False)
-        hs, x = _block_states(u, dt, Bt, A, h)
-        h = tl.sum(tl.where((rows == BLOCK_T - 1)[:, None, None], hs, 0.0), axis=0)
+        hs, x = _block_states(u, dt, Bt, A, h, rows)
+        h = _row(hs, rows, BLOCK_T - 1)
         sdt += tl.sum(dt, axis=0)
     tl.store(hl_ptr + (b * S + seg) * DM * N + dn, h, mask=dn_mask)
     tl.store(sdt_ptr + (b * S + seg) * DM + d, sdt, mask=dmask)
@@ -489,7 +530,7 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
     Bt = Bt.to(tl.float32)
     Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
-    hs, x = _block_states(u, dt, Bt, A, h_start)
+    hs, x = _block_states(u, dt, Bt, A, h_start, rows)
     # output gate
     if HAS_Z:
         zv = zv.to(tl.float32)
@@ -552,7 +593,7 @@ def _bwd_kernel(
         while sp > seg:
             sdtn = tl.load(sdtn_ptr + (b * S + sp) * DM + d, mask=dmask, other=0.0)
             carry = tl.load(gl_ptr + (b * S + sp) * DM * N + dn, mask=dn_mask, other=0.0) + \
-                tl.exp(sdtn[None, :] * A) * carry
+                _exp2(sdtn[None, :] * (A * LOG2E)) * carry
             sp -= 1
     dA_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dD_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -583,7 +624,7 @@ def _bwd_kernel(
     raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         raw0 += bias
-    a0 = tl.exp(_step_size(raw0, SOFTPLUS)[None, :] * A)
+    a0 = _exp2(_step_size(raw0, SOFTPLUS)[None, :] * (A * LOG2E))
     tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask & (seg == 0))
     part = b * S + seg  # this program's row of the per-(batch, segment) sums
     tl.store(dA_ptr + part * DM * N + dn, dA_acc, mask=dn_mask)

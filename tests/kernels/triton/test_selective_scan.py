@@ -574,7 +574,7 @@ def test_half_precision_inputs_match_the_float64_loop(dtype):
 
 def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
     """The selective scan's launch settings (no GPU needed): up to d_state 16 the measured fixed
-    settings and the autotuner's four candidates of each kernel stand; for a wider state every
+    settings and the autotuner's first candidates of each kernel stand; for a wider state every
     fixed setting and every candidate the autotuner keeps puts at most 64 (forward) / 32
     (backward) tile elements on a thread, where the N = 16 settings would put 128 and more at
     N = 64 (they spilled kilobytes per thread on sm_90), and the candidates are never empty."""
@@ -587,7 +587,7 @@ def test_launch_settings_keep_wide_states_in_registers(monkeypatch):
         assert scan._config(True, n) == dict(block_t=16, bwd_block_t=8, fwd_block_d=8, fwd_warps=1, fwd_stages=2,
                                              bwd_block_d=4, bwd_warps=1, bwd_prefetch=None)
         assert scan._config(False, n) == dict(block_t=32, fwd_block_d=16, fwd_warps=8, fwd_stages=1)
-    for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 4), ("bwd", scan.BWD_CONFIGS, 5)):
+    for kind, configs, count in (("fwd", scan.FWD_CONFIGS, 5), ("bwd", scan.BWD_CONFIGS, 5)):
         kept = scan._fitting(configs, 16, 16, scan.TILE_PER_THREAD[kind])
         assert pairs(kept) == pairs(configs[:count])
     assert [c.maxnreg for c in scan.BWD_CONFIGS[:2]] == [None, scan.BWD_MAXNREG]
