@@ -84,17 +84,14 @@ class Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def _conv(xz, conv_weight, conv_bias):
         """The conv's output ``u [B, T, d_inner]`` (SiLU) from xz's first half."""
-        from hybridzoo.kernels.triton import launch
-        from hybridzoo.kernels.triton.conv import conv_forward
+        from hybridzoo.kernels.triton.conv import silu_conv
 
-        x_in = xz[..., :xz.shape[-1] // 2]
-        return conv_forward(launch.token_rows(x_in), conv_weight.contiguous(),
-                            None if conv_bias is None else conv_bias.contiguous(), None, True)
+        return silu_conv(xz[..., :xz.shape[-1] // 2], conv_weight, conv_bias)
 
     @staticmethod
     def backward(ctx, dy, dtail, dfinal):
         from hybridzoo.kernels.triton import launch
-        from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
+        from hybridzoo.kernels.triton.conv import silu_conv_grads
         from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as scan_grads
 
         xz, conv_weight, conv_bias, wx, wdt, dt_proj_bias, D, saved, x_dbl, A = ctx.saved_tensors
@@ -117,10 +114,7 @@ class Mamba1Inner(torch.autograd.Function):
             dx_dbl = torch.cat([ddt, dB, dC], dim=-1)
             du = du + dx_dbl @ wx
             dwx = dx_dbl.reshape(-1, dx_dbl.shape[-1]).mT @ u.reshape(-1, u.shape[-1])
-            conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
-            dx_in, dconv_weight, dconv_bias, _ = conv_grads(launch.token_rows(x_in), conv_weight.contiguous(),
-                                                            conv_bias_c, None, True, du, dx_out=dxz[..., :half])
-            add_final_state_grad(dx_in, dtail)
+            _, dconv_weight, dconv_bias = silu_conv_grads(x_in, conv_weight, conv_bias, du, dxz[..., :half], dtail)
         # the weights' gradients in their own dtype, as autograd's cast backward gives them
         return (dxz, dconv_weight, dconv_bias, dwx.to(ctx.weight_dtypes[0]), dwdt.to(ctx.weight_dtypes[1]),
                 dbias, dA * A, dD, None, None)

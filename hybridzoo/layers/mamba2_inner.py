@@ -111,12 +111,10 @@ class Mamba2Inner(torch.autograd.Function):
         """From zxbcdt's xBC and dt columns to the scan's inputs, as :meth:`Mamba2._ssd` forms
         them: ``(xs [B, T, H, P], B, C [B, T, G, N], dt + dt_bias, Δ = softplus of it [B, T, H],
         A = -exp(A_log) [H], log_a = Δ A, all float32, v = Δ x in xs's dtype)``."""
-        from hybridzoo.kernels.triton import launch
-        from hybridzoo.kernels.triton.conv import conv_forward
+        from hybridzoo.kernels.triton.conv import silu_conv
 
         H, P, G, N = shape[:4]
-        u = conv_forward(launch.token_rows(xbc), conv_weight.contiguous(),
-                         None if conv_bias is None else conv_bias.contiguous(), None, True)
+        u = silu_conv(xbc, conv_weight, conv_bias)
         xs, B, C = u.split([H * P, G * N, G * N], dim=-1)
         xs, B, C = xs.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
         return (xs, B, C, *ssd_inputs(xs, dt, dt_bias, A_log))
@@ -124,7 +122,7 @@ class Mamba2Inner(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dtail, dfinal):
         from hybridzoo.kernels.triton import launch, norm
-        from hybridzoo.kernels.triton.conv import add_final_state_grad, conv_grads
+        from hybridzoo.kernels.triton.conv import silu_conv_grads
 
         zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, w, out_bias, y = ctx.saved_tensors
         shape = ctx.shape
@@ -178,10 +176,7 @@ class Mamba2Inner(torch.autograd.Function):
             draw = torch.ops.aten.softplus_backward(ddts, raw, 1.0, 20.0)  # autograd's own formula
             ddt_bias = draw.sum((0, 1))
             ddt_out.copy_(draw)
-            conv_bias_c = None if conv_bias is None else conv_bias.contiguous()
-            dxbc, dconv_w, dconv_b, _ = conv_grads(launch.token_rows(xbc), conv_weight.contiguous(), conv_bias_c,
-                                                   None, True, du, dx_out=dxbc_out)
-            add_final_state_grad(dxbc, dtail)
+            _, dconv_w, dconv_b = silu_conv_grads(xbc, conv_weight, conv_bias, du, dxbc_out, dtail)
         # each parameter's gradient in its own dtype, as autograd's cast backward gives them
         return (dzxbcdt, dconv_w, dconv_b, ddt_bias.to(dt_bias.dtype), dA_log.to(A_log.dtype),
                 None if dD is None else dD.to(D.dtype), dnorm_w,

@@ -382,6 +382,26 @@ def final_state(x: torch.Tensor, width: int, initial_state: torch.Tensor | None 
     return torch.cat([tail[:, length:], x], dim=1)
 
 
+def silu_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`conv_forward` with SiLU and no initial state, as the Mamba mixers' one-node steps
+    call it: ``x [B, T, Dm]`` a view whose tokens are evenly spaced rows (e.g. a slice of
+    ``in_proj``'s output, read in place), weight ``[Dm, W]``, bias ``[Dm]`` or None; ``y [B, T, Dm]``
+    in x.dtype."""
+    return conv_forward(launch.token_rows(x), weight.contiguous(), None if bias is None else bias.contiguous(),
+                        None, True)
+
+
+def silu_conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dy: torch.Tensor,
+                    dx_out: torch.Tensor | None, dfinal: torch.Tensor | None) -> tuple:
+    """The backward of :func:`silu_conv` (the same inputs) from ``dy [B, T, Dm]``, with the
+    gradient ``dfinal [B, W-1, Dm]`` (or None) of the :func:`final_state` taken from ``x`` added:
+    ``(dx, dweight, dbias or None)``; ``dx_out`` as in :func:`conv_grads`."""
+    dx, dweight, dbias, _ = conv_grads(launch.token_rows(x), weight.contiguous(),
+                                       None if bias is None else bias.contiguous(), None, True, dy, dx_out=dx_out)
+    add_final_state_grad(dx, dfinal)
+    return dx, dweight, dbias
+
+
 def add_final_state_grad(dx: torch.Tensor, dfinal: torch.Tensor | None) -> None:
     """Add the gradient of :func:`final_state` (for T >= W − 1, ``dfinal [B, W-1, Dm]``) into
     x's gradient ``dx [B, T, Dm]`` in place; None adds nothing."""
