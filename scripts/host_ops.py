@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import time
@@ -79,18 +80,35 @@ def _model(recipe: str, n_layers: int, side: str, tiny: bool = False):
     return step, config.vocab_size
 
 
-def count_step(recipe: str, n_layers: int, tokens: int, side: str = "ours", tiny: bool = False) -> dict:
-    """aten op counts, Triton launch counts and the host seconds of one training step."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+@contextlib.contextmanager
+def kernels_skipped(on_launch=None):
+    """Within: every Triton launch through the interpreter skipped (its kernel's name passed to
+    ``on_launch`` when given), the fused norms taken as a GPU takes them, and the benchmarks of
+    fla's autotuners stubbed, so that what runs is the host's work alone; all restored on exit."""
     from triton.runtime import autotuner, interpreter
 
     from hybridzoo.kernels import fused
 
-    launches: collections.Counter = collections.Counter()
-
     def skipped_launch(self, *args, **kwargs):
-        launches[getattr(self.fn, "__name__", str(self.fn))] += 1
+        if on_launch is not None:
+            on_launch(getattr(self.fn, "__name__", str(self.fn)))
+
+    real_launch, real_force, real_bench = interpreter.GridExecutor.__call__, fused.FORCE, autotuner.Autotuner._bench
+    interpreter.GridExecutor.__call__, fused.FORCE = skipped_launch, True
+    autotuner.Autotuner._bench = lambda self, *args, config=None, **kwargs: [1.0, 1.0, 1.0]  # fla's autotuners
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor.__call__, fused.FORCE = real_launch, real_force
+        autotuner.Autotuner._bench = real_bench
+
+
+def count_step(recipe: str, n_layers: int, tokens: int, side: str = "ours", tiny: bool = False) -> dict:
+    """aten op counts, Triton launch counts and the host seconds of one training step."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launches: collections.Counter = collections.Counter()
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -101,10 +119,7 @@ def count_step(recipe: str, n_layers: int, tokens: int, side: str = "ours", tiny
             self.counts[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    real_launch, real_force, real_bench = interpreter.GridExecutor.__call__, fused.FORCE, autotuner.Autotuner._bench
-    interpreter.GridExecutor.__call__, fused.FORCE = skipped_launch, True
-    autotuner.Autotuner._bench = lambda self, *args, config=None, **kwargs: [1.0, 1.0, 1.0]  # fla's autotuners
-    try:
+    with kernels_skipped(lambda name: launches.update([name])):
         torch.manual_seed(0)
         step, vocab_size = _model(recipe, n_layers, side, tiny)
         ids = torch.randint(0, vocab_size, (1, tokens))
@@ -117,9 +132,6 @@ def count_step(recipe: str, n_layers: int, tokens: int, side: str = "ours", tiny
         for _ in range(3):
             step(ids)
         seconds = (time.perf_counter() - start) / 3
-    finally:
-        interpreter.GridExecutor.__call__, fused.FORCE = real_launch, real_force
-        autotuner.Autotuner._bench = real_bench
     return {"aten": dict(ops.counts), "launches": counted, "seconds": seconds}
 
 

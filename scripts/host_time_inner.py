@@ -73,18 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     import torch
-    from triton.runtime import interpreter
 
-    from hybridzoo.kernels import fused
+    from host_ops import kernels_skipped  # this script's folder
 
     torch.set_num_threads(1)
-    interpreter.GridExecutor.__call__ = lambda self, *a, **k: None  # kernels skipped: host work only
-    fused.FORCE = True  # the fused norms, as a GPU runs them
-    for _ in range(args.rounds):
-        one = median_ms(True, args.d_model, args.tokens, args.steps, args.mixer)
-        general = median_ms(False, args.d_model, args.tokens, args.steps, args.mixer)
-        print(f"one node {one:.3f} ms, recomputed body {general:.3f} ms per layer step (host, kernels skipped)",
-              flush=True)
+    with kernels_skipped():  # host work only, the fused norms as a GPU runs them
+        for _ in range(args.rounds):
+            one = median_ms(True, args.d_model, args.tokens, args.steps, args.mixer)
+            general = median_ms(False, args.d_model, args.tokens, args.steps, args.mixer)
+            print(f"one node {one:.3f} ms, recomputed body {general:.3f} ms per layer step (host, kernels "
+                  "skipped)", flush=True)
     return 0
 
 
