@@ -194,8 +194,9 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # repetitions each, benchmarks/results/2026-12-04-models-mamba1-dt-given-ab-h200-090b17f.json) the
 # backward's gain holds at T 2048 (151k tokens/s against 144k without either) and is within the
 # spread at T 8192 (122k against 120k), but reading Δ in the forward as well made the step slower
-# (143k and 110k), against what the kernel alone showed; the cause is not found, so the forward
-# computes Δ itself.
+# (143k and 110k), against what the kernel alone showed. With the exp2 and folded-state loops
+# (benchmarks/results/2026-12-05-models-mamba1-h200-68b9182.md) it gave the same ratio to mamba_ssm
+# at T 8192 as computing Δ (1.05x both), so the forward computes Δ itself.
 BWD_DT_GIVEN = True
 FWD_DT_GIVEN = False
 DT_BLOCK_R, DT_BLOCK_D = 32, 128
