@@ -114,7 +114,7 @@ class Mamba1Inner(torch.autograd.Function):
             dx_dbl = torch.cat([ddt, dB, dC], dim=-1)
             du = du + dx_dbl @ wx
             dwx = dx_dbl.reshape(-1, dx_dbl.shape[-1]).mT @ u.reshape(-1, u.shape[-1])
-            _, dconv_weight, dconv_bias = silu_conv_grads(x_in, conv_weight, conv_bias, du, dxz[..., :half], dtail)
+            dconv_weight, dconv_bias = silu_conv_grads(x_in, conv_weight, conv_bias, du, dxz[..., :half], dtail)
         # the weights' gradients in their own dtype, as autograd's cast backward gives them
         return (dxz, dconv_weight, dconv_bias, dwx.to(ctx.weight_dtypes[0]), dwdt.to(ctx.weight_dtypes[1]),
                 dbias, dA * A, dD, None, None)

@@ -176,7 +176,7 @@ class Mamba2Inner(torch.autograd.Function):
             draw = torch.ops.aten.softplus_backward(ddts, raw, 1.0, 20.0)  # autograd's own formula
             ddt_bias = draw.sum((0, 1))
             ddt_out.copy_(draw)
-            _, dconv_w, dconv_b = silu_conv_grads(xbc, conv_weight, conv_bias, du, dxbc_out, dtail)
+            dconv_w, dconv_b = silu_conv_grads(xbc, conv_weight, conv_bias, du, dxbc_out, dtail)
         # each parameter's gradient in its own dtype, as autograd's cast backward gives them
         return (dzxbcdt, dconv_w, dconv_b, ddt_bias.to(dt_bias.dtype), dA_log.to(A_log.dtype),
                 None if dD is None else dD.to(D.dtype), dnorm_w,

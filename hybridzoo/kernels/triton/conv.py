@@ -392,14 +392,15 @@ def silu_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def silu_conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dy: torch.Tensor,
-                    dx_out: torch.Tensor | None, dfinal: torch.Tensor | None) -> tuple:
-    """The backward of :func:`silu_conv` (the same inputs) from ``dy [B, T, Dm]``, with the
-    gradient ``dfinal [B, W-1, Dm]`` (or None) of the :func:`final_state` taken from ``x`` added:
-    ``(dx, dweight, dbias or None)``; ``dx_out`` as in :func:`conv_grads`."""
+                    dx_out: torch.Tensor, dfinal: torch.Tensor | None) -> tuple:
+    """The backward of :func:`silu_conv` (the same inputs) from ``dy [B, T, Dm]``: x's gradient
+    written into ``dx_out`` (as in :func:`conv_grads`), with the gradient ``dfinal [B, W-1, Dm]``
+    (or None) of the :func:`final_state` taken from ``x`` added; returns ``(dweight, dbias or
+    None)``."""
     dx, dweight, dbias, _ = conv_grads(launch.token_rows(x), weight.contiguous(),
                                        None if bias is None else bias.contiguous(), None, True, dy, dx_out=dx_out)
     add_final_state_grad(dx, dfinal)
-    return dx, dweight, dbias
+    return dweight, dbias
 
 
 def add_final_state_grad(dx: torch.Tensor, dfinal: torch.Tensor | None) -> None:

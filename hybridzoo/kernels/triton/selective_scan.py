@@ -298,7 +298,6 @@ def _step_sizes(raw, bias, m2, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     return tl.where(m2, _step_size(raw, SOFTPLUS), 0.0), raw
 
 
-
 @triton.jit
 def _block_inputs(u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS,
                   HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DT_GIVEN: tl.constexpr):
