@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.fast_exp import _exp
 
 
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
@@ -29,8 +30,9 @@ def _block(dim: int) -> int:
 
 @triton.jit
 def _exp_le0(x):
-    """exp of an exponent that is mathematically <= 0 (clamped: padded rows never overflow)."""
-    return tl.exp(tl.minimum(x, 0.0))
+    """exp of an exponent that is mathematically <= 0 (clamped: padded rows never overflow), as one
+    ``ex2.approx.ftz`` (:mod:`.fast_exp`)."""
+    return _exp(tl.minimum(x, 0.0))
 
 
 # On a GPU the chunk kernels are autotuned (launch.autotuned) over num_warps, and over the

@@ -49,6 +49,7 @@ import triton.language as tl
 from hybridzoo.kernels.reference import selective_scan as _reference_scan
 from hybridzoo.kernels.reference.selective_scan import _check
 from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.fast_exp import LOG2E, _exp2
 
 __all__ = ["selective_scan", "selective_scan_grads", "selective_scan_saved"]
 
@@ -203,29 +204,13 @@ DT_BLOCK_R, DT_BLOCK_D = 32, 128
 
 TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
 
-# exp as one ex2.approx.ftz.f32 on CUDA (a single MUFU.EX2; results below 2^-126 flush to zero, where
-# a decay or softplus term is zero to float32 anyway), with log2(e) folded into A once a program. tl.exp
-# compiles for sm_90 to a multiply by log2(e), a range check and two predicated multiplies around the
-# same MUFU.EX2: 4 instructions more for each of the BLOCK_T x N x BLOCK_D decays of a time block.
-# tl.exp2 under the interpreter and on other backends.
-FAST_EXP = tl.constexpr(not launch.interpret() and torch.version.hip is None)
-LOG2E = tl.constexpr(1.4426950408889634)
+# exp: fast_exp._exp2 (one ex2.approx.ftz.f32 on CUDA), with log2(e) folded into A once a program.
 
 
 @triton.jit
 def _combine(a1, b1, a2, b2):
     """Compose two steps ``h -> a h + b`` (first ``(a1, b1)``, then ``(a2, b2)``)."""
     return a1 * a2, b1 * a2 + b2
-
-
-@triton.jit
-def _exp2(x):
-    """``2^x``, float32 (:data:`FAST_EXP`)."""
-    if FAST_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.exp2(x)
 
 
 @triton.jit
