@@ -11,6 +11,15 @@ after every row.
 
 ``--no-anchor`` times our side only (no anchor timing or autotuning): an A/B of our own settings.
 
+fla's and mamba_ssm's autotuners take minutes on an empty cache. Their choices are cached with
+Triton's compiled kernels (``TRITON_CACHE_AUTOTUNING=1`` unless set), ``--all-compile-threads N``
+compiles every autotuner's candidates on N threads before it times them (the anchors' too:
+``benchmarks/precompile.py``; the timings after tuning do not change), and ``--resume`` keeps the
+rows already in ``--out`` and skips the cases they finished, so a table cut by a time limit is
+completed by running the same command again:
+
+    python -m benchmarks kernels --out results/kernels.json --all-compile-threads 8 --resume
+
 ``--cpu``: the gated delta rule, forward + backward in float32 (B1 T2048 H4 D64, chunk 64), our
 reference ``chunk_delta_rule`` against transformers' ``torch_chunk_gated_delta_rule`` (called
 unwrapped: the module-level name dispatches to fla when fla is installed), runs interleaved,
@@ -33,13 +42,16 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # before Triton is imported: keep autotuning results
 
-import hybridzoo.kernels as K
-from benchmarks.fla_backward import allow_fla_gated_backward
-from benchmarks.meta import run_metadata, write_json
-from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule
-from hybridzoo.utils import rel_err
+import torch  # noqa: E402
+
+import hybridzoo.kernels as K  # noqa: E402
+from benchmarks.fla_backward import allow_fla_gated_backward  # noqa: E402
+from benchmarks.meta import run_metadata, write_json  # noqa: E402
+from benchmarks.precompile import every_autotuner_precompiled  # noqa: E402
+from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule  # noqa: E402
+from hybridzoo.utils import rel_err  # noqa: E402
 
 DEV = "cuda"
 
@@ -219,32 +231,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=None, help="GPU: comma-separated substrings; run the cases whose name holds one")
     parser.add_argument("--append", action="store_true", help="GPU: keep the rows already in --out (same case and "
                         "shape rows are replaced)")
+    parser.add_argument("--resume", action="store_true", help="GPU: keep the rows already in --out and skip "
+                        "the cases they finished (a row without an error, with the anchor timed unless "
+                        "--no-anchor); the rest run as usual")
+    parser.add_argument("--all-compile-threads", type=int, default=0, metavar="N",
+                        help="GPU: every Triton autotuner in the process, the anchors' too, compiles its "
+                        "candidates on N threads before timing them (benchmarks/precompile.py)")
     parser.add_argument("--no-anchor", action="store_true", help="GPU: time hybridzoo's side only (the anchor "
                         "is built but never run or tuned: a quick A/B of one of our kernel settings)")
     parser.add_argument("--runs", type=int, default=5, help="--cpu: timed runs of each side")
     parser.add_argument("--warmup", type=int, default=1, help="--cpu: untimed runs first")
     parser.add_argument("--seq-len", type=int, default=2048, help="--cpu: T")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.all_compile_threads < 0:
+        parser.error(f"--all-compile-threads must be 0 or more, got {args.all_compile_threads}")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    today = datetime.date.today().isoformat()
-    if args.cpu:
-        return cpu_delta_rule(args.out or f"benchmarks/results/{today}-cpu-delta-rule.json",
-                              args.runs, args.warmup, args.seq_len)
-    if not torch.cuda.is_available():
-        print("kernels: no CUDA device; use --cpu for the CPU benchmark", file=sys.stderr)
-        return 2
+def finished(row: dict, no_anchor: bool) -> bool:
+    """Whether a results row is complete: timed without an error, the anchor too unless ``no_anchor``."""
+    if any(key == "error" or key.endswith("_error") for key in row) or not row.get("ours_fwdbwd_ms"):
+        return False
+    return no_anchor or bool(row.get("anchor_fwdbwd_ms"))
+
+
+def run_cases(cases: list[tuple], rows: list[dict], args: argparse.Namespace, header: dict,
+              bandwidth: float) -> list[dict]:
+    """Time each of ``cases`` (see the module docstring), replacing any row of the same case and
+    shape in ``rows``; writes ``args.out`` after every side of every row (a job cut by a time limit
+    keeps what was measured) and returns the rows."""
     from hybridzoo.kernels.triton import launch
 
-    args.out = args.out or f"benchmarks/results/{today}-kernels.json"
-    bandwidth = copy_bandwidth()
-    header = results_header(bandwidth)
-    rows = []
-    if args.append and Path(args.out).is_file():
-        rows = json.loads(Path(args.out).read_text()).get("rows", [])
-    cases = selected_cases(args.only)
     for name, shape, build in cases:
         rows = [r for r in rows if (r["case"], r["shape"]) != (name, shape)]
         row = {"case": name, "shape": shape}
@@ -282,6 +299,39 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         write_results(args.out, header, rows)  # after every row: a timeout keeps the finished ones
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    today = datetime.date.today().isoformat()
+    if args.cpu:
+        return cpu_delta_rule(args.out or f"benchmarks/results/{today}-cpu-delta-rule.json",
+                              args.runs, args.warmup, args.seq_len)
+    if not torch.cuda.is_available():
+        print("kernels: no CUDA device; use --cpu for the CPU benchmark", file=sys.stderr)
+        return 2
+    args.out = args.out or f"benchmarks/results/{today}-kernels.json"
+    bandwidth = copy_bandwidth()
+    header = results_header(bandwidth)
+    rows = []
+    if (args.append or args.resume) and Path(args.out).is_file():
+        earlier = json.loads(Path(args.out).read_text())
+        rows = earlier.get("rows", [])
+        differ = [key for key in ("commit", "device", "versions") if args.resume and earlier.get(key) != header.get(key)]
+        if differ:
+            print(f"kernels: --resume: {args.out} was written with another {', '.join(differ)} "
+                  f"({', '.join(f'{k}={earlier.get(k)!r}' for k in differ)}); its rows are not this run's. "
+                  "Write to a new --out, or use --append to mix them knowingly", file=sys.stderr)
+            return 2
+    cases = selected_cases(args.only)
+    if args.resume:
+        done = {(r["case"], r["shape"]) for r in rows if finished(r, args.no_anchor)}
+        skipped = [case for case in cases if case[:2] in done]
+        cases = [case for case in cases if case[:2] not in done]
+        print(f"kernels: --resume: {len(skipped)} case(s) already in {args.out}, {len(cases)} to run", flush=True)
+    with every_autotuner_precompiled(args.all_compile_threads):
+        rows = run_cases(cases, rows, args, header, bandwidth)
     if not cases:
         write_results(args.out, header, rows)
 
