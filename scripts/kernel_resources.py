@@ -225,11 +225,14 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  # its 8-wide 2-warp candidate 4 B, and the 4-wide 8-warp tile at N = 64 12 B with
                  # Triton 3.7.1 (none with 3.6 and 3.9)
                  "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=8 warps=2": 8,
+                 # its 16-wide 4-warp candidate: 4 B with Triton 3.6 (168 registers), none with 3.7.1 and 3.9
+                 "selective_scan _bwd_kernel BLOCK_T=8 PREFETCH BLOCK_D=16 warps=4": 8,
                  "selective_scan _bwd_kernel N=64 BLOCK_T=8 BLOCK_D=4 warps=8": 16,
                  # 16-token blocks with the inputs a block ahead (only where BWD_BLOCK_T = 16 and
                  # BWD_PREFETCH = True are set): 8 to 68 B uncapped, 516 and 488 B capped (Triton
-                 # 3.7.1, 3.9), with the step sizes read as float32 (selective_scan.BWD_DT_GIVEN)
-                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1": 48,
+                 # 3.7.1, 3.9; 52 B uncapped with 3.6), with the step sizes read as float32
+                 # (selective_scan.BWD_DT_GIVEN)
+                 "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1": 56,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=4 warps=1 maxnreg=168": 576,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=8 warps=2": 72,
                  "selective_scan _bwd_kernel BLOCK_T=16 PREFETCH BLOCK_D=16 warps=4": 64,
