@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import hybridzoo.kernels as K  # noqa: E402
 from benchmarks.fla_backward import allow_fla_gated_backward  # noqa: E402
 from benchmarks.meta import run_metadata, write_json  # noqa: E402
-from benchmarks.precompile import every_autotuner_precompiled  # noqa: E402
+from benchmarks.precompile import add_compile_threads_argument, every_autotuner_precompiled  # noqa: E402
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule  # noqa: E402
 from hybridzoo.utils import rel_err  # noqa: E402
 
@@ -234,18 +234,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="GPU: keep the rows already in --out and skip "
                         "the cases they finished (a row without an error, with the anchor timed unless "
                         "--no-anchor); the rest run as usual")
-    parser.add_argument("--all-compile-threads", type=int, default=0, metavar="N",
-                        help="GPU: every Triton autotuner in the process, the anchors' too, compiles its "
-                        "candidates on N threads before timing them (benchmarks/precompile.py)")
+    add_compile_threads_argument(parser, "the anchors'")
     parser.add_argument("--no-anchor", action="store_true", help="GPU: time hybridzoo's side only (the anchor "
                         "is built but never run or tuned: a quick A/B of one of our kernel settings)")
     parser.add_argument("--runs", type=int, default=5, help="--cpu: timed runs of each side")
     parser.add_argument("--warmup", type=int, default=1, help="--cpu: untimed runs first")
     parser.add_argument("--seq-len", type=int, default=2048, help="--cpu: T")
-    args = parser.parse_args(argv)
-    if args.all_compile_threads < 0:
-        parser.error(f"--all-compile-threads must be 0 or more, got {args.all_compile_threads}")
-    return args
+    return parser.parse_args(argv)
 
 
 def finished(row: dict, no_anchor: bool) -> bool:
@@ -318,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.append or args.resume) and Path(args.out).is_file():
         earlier = json.loads(Path(args.out).read_text())
         rows = earlier.get("rows", [])
-        differ = [key for key in ("commit", "device", "versions") if args.resume and earlier.get(key) != header.get(key)]
-        if differ:
+        differ = [key for key in ("commit", "device", "versions") if earlier.get(key) != header.get(key)]
+        if args.resume and differ:
             print(f"kernels: --resume: {args.out} was written with another {', '.join(differ)} "
                   f"({', '.join(f'{k}={earlier.get(k)!r}' for k in differ)}); its rows are not this run's. "
                   "Write to a new --out, or use --append to mix them knowingly", file=sys.stderr)

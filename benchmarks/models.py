@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.meta import run_metadata, write_json  # noqa: E402
-from benchmarks.precompile import every_autotuner_precompiled  # noqa: E402
+from benchmarks.precompile import add_compile_threads_argument, every_autotuner_precompiled  # noqa: E402
 from hybridzoo import HybridConfig, HybridLM  # noqa: E402
 
 
@@ -349,13 +349,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(the cold-start figure; also fills Triton's cache for a timed run)")
     parser.add_argument("--no-peer", action="store_true", help="hybridzoo's side only (with --first-step: "
                         "each recipe's own cold start, one recipe per process and empty cache)")
-    parser.add_argument("--all-compile-threads", type=int, default=0, metavar="N", help="every Triton autotuner in "
-                        "the process, the peer's too, compiles its candidates on N threads before timing them "
-                        "(benchmarks/precompile.py): fills Triton's cache faster; the peer's first step is then "
-                        "not a user's cold start")
+    add_compile_threads_argument(parser, "the peer's", "; the peer's first step is then not a user's cold start")
     args = parser.parse_args(argv)
-    if args.all_compile_threads < 0:
-        parser.error(f"--all-compile-threads must be 0 or more, got {args.all_compile_threads}")
     if args.first_step:
         args.repeats, args.warmup, args.steps = 1, 0, 1
     elif args.repeats < 3 and not args.cpu_smoke:

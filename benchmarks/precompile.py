@@ -12,8 +12,24 @@ then its peer's first step is no user's cold start (``benchmarks.models`` record
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Iterator
+
+
+def add_compile_threads_argument(parser: argparse.ArgumentParser, whose: str, note: str = "") -> None:
+    """``--all-compile-threads N`` (``args.all_compile_threads``, default 0, N >= 0) on a
+    benchmark's ``parser``; ``whose`` names the other side's tuners in the help ("the peer's"),
+    ``note`` ends it."""
+    def threads(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+        return value
+
+    parser.add_argument("--all-compile-threads", type=threads, default=0, metavar="N",
+                        help=f"every Triton autotuner in the process, {whose} too, compiles its candidates on N "
+                        "threads before timing them (benchmarks/precompile.py): fills Triton's cache faster" + note)
 
 
 @contextlib.contextmanager

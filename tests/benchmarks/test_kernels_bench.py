@@ -40,12 +40,7 @@ def test_gpu_mode_times_the_anchor_unless_told_not_to(no_anchor, tmp_path, monke
     timed = []
     ours, anchor = (lambda: torch.ones(3)), (lambda: torch.full((3,), 2.0))
     case = ("fake op vs anchor", "B1", lambda: (ours, anchor, (), (), 12))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 1e9)
-    monkeypatch.setattr(kernels, "results_header", lambda bandwidth: {"device": "stub"})
-    monkeypatch.setattr(kernels, "CASES", [case])
-    monkeypatch.setattr(kernels, "bench", lambda fn, grads, inputs: timed.append(fn) or (1.0, 2.0))
+    _stub_gpu(monkeypatch, [case], timed)
     out = tmp_path / "k.json"
     argv = ["--out", str(out)] + (["--no-anchor"] if no_anchor else [])
     assert kernels.main(argv) == 0
@@ -111,7 +106,7 @@ def test_resume_refuses_rows_of_another_device_or_commit(tmp_path, monkeypatch, 
     assert json.loads(out.read_text())["commit"] == "old"  # the file is left as it was
 
 
-def test_all_compile_threads_reach_every_autotuner(tmp_path, monkeypatch):
+def test_all_compile_threads_reach_every_autotuner(tmp_path, monkeypatch, capsys):
     import contextlib
 
     seen = []
@@ -129,3 +124,4 @@ def test_all_compile_threads_reach_every_autotuner(tmp_path, monkeypatch):
     assert seen == [6] and timed == [fn, fn, fn]
     with pytest.raises(SystemExit):
         kernels.parse_args(["--all-compile-threads", "-1"])
+    assert "0 or more" in capsys.readouterr().err
