@@ -50,6 +50,7 @@ import hybridzoo.kernels.triton.delta_rule as delta_rule  # noqa: E402
 import hybridzoo.kernels.triton.delta_rule_bwd as delta_rule_bwd  # noqa: E402
 import hybridzoo.kernels.triton.delta_rule_split as delta_rule_split  # noqa: E402
 import hybridzoo.kernels.triton.linear_attn as linear_attn  # noqa: E402
+import hybridzoo.kernels.triton.linear_attn_common as linear_attn_common  # noqa: E402
 from hybridzoo.kernels.triton import launch  # noqa: E402
 
 
@@ -150,7 +151,8 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
         values = dict(H=4, G=2, HK=2, K=256, V=256, KD=256, C=64, BC=16, BK=64, BV=64, BKD=64, BKW=64, NC=4,
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
                       STORE_HT=True, STORE_DG=True, STORE_DH0=True, HAS_TM=False, N_INTERP=0, NT_LOOP=0,
-                      D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0)
+                      D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0,
+                      DIAG_DOT=True, SPAN=linear_attn_common.DIAG_SPAN)
         # the delta rule's own settings at K = V = 256 (its _Config on shape-only tensors)
         dr = delta_rule._Config(torch.empty(1, 1, 2, 256, device="meta", dtype=torch_dtype),
                                 torch.empty(1, 1, 4, 256, device="meta", dtype=torch_dtype), 64)
@@ -165,6 +167,10 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                 params = inspect.signature(kernel.fn).parameters
                 constexprs = {p: values[p] for p in params if "constexpr" in str(params[p].annotation)}
                 launch_warps = 4 if name == "_chunk_cumsum_kernel" else warps  # launched with the default
+                if name in ("_intra_A_kernel", "_bwd_intra_dqk_kernel"):  # their launchers' own settings
+                    launch_warps = 4
+                    if name == "_intra_A_kernel":
+                        constexprs["BK"] = min(constexprs["BK"], linear_attn_common.INTRA_A_BK)
                 if module in (delta_rule, delta_rule_bwd, delta_rule_split):
                     constexprs.update(BK=dr.BK, BV=dr.BV) if "BK" in constexprs else None
                     # the WY and _bwd_qk kernels' own launches, as the op makes them

@@ -46,9 +46,11 @@ import triton.language as tl
 
 from hybridzoo.kernels.reference.linear_attn import _check
 from hybridzoo.kernels.triton import launch
+from hybridzoo.kernels.triton.fast_exp import _exp
 from hybridzoo.kernels.triton.linear_attn_bwd import chunk_linear_attn_bwd
-from hybridzoo.kernels.triton.linear_attn_common import (CHUNK_TUNING, LOG_A_MIN, STATE_TUNING, SUB_CHUNK,
-                                                         TUNE_KEY, _block, _exp_le0, state_dtype)
+from hybridzoo.kernels.triton.linear_attn_common import (CHUNK_TUNING, DIAG_SPAN, INTRA_A_BK, LOG_A_MIN,
+                                                         STATE_TUNING, SUB_CHUNK, TUNE_KEY, _block, _exp_le0,
+                                                         diag_dot, state_dtype)
 
 __all__ = ["chunk_linear_attn", "chunk_linear_attn_grads", "SUPPORTED_CHUNK_SIZES"]
 
@@ -115,20 +117,26 @@ def _fwd_h_kernel(k, v, b, h, h0, hT, T, NT, H: tl.constexpr, HK: tl.constexpr, 
 
 @triton.jit
 def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
-                    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                    DIAG_DOT: tl.constexpr, SPAN: tl.constexpr):
     """Per-key decayed scores A[b, h, t, s] (fp32 [B, H, T, C]), s <= t inside t's chunk, from
     q, k ([B, T, HK, K], the inputs' dtype) and b (fp32 [B, T, H, K]).
 
     One program per (chunk · sub-chunk, batch·head), grid (NT · C // BC, B · H): row block i
-    (BC tokens) of chunk c, i.e. its blocks j < i off the diagonal, all in one tensor-core dot
-    against the chunk's first i·BC keys (reference point: the token before block i), and its
-    diagonal block row by row. Per sub-chunk rather than per chunk because the per-chunk
-    version (all C // BC row blocks in one program) took 10.19 ms for its 2 launches in a
-    forward+backward profile on an H200 (bf16, B2 T16384 H16 K128, C64), where fla's two
-    equivalent kernels take 0.88 ms: more, shorter programs hide the latency of the sequential
-    row loop. Timed alone on an H200 (do_bench, same shape, one run): 5.04 ms per launch
-    per chunk, 2.28 ms per sub-chunk (4.63 ms with one 16×16 dot per block j < i).
-    Blocks above the diagonal are never written (readers mask them).
+    (BC tokens) of chunk c. Each of its blocks j < i off the diagonal is a tensor-core dot,
+    ``(q ⊙ exp(b − b_r)) (k ⊙ exp(b_r − b))ᵀ`` over the keys of block j, with the reference point
+    ``b_r`` at the token before block i (the chunk's start for i = 0), where both exponents are
+    <= 0. The diagonal block is a dot too (DIAG_DOT: bfloat16 inputs, ``diag_dot``) when its keys' exponent ``b_r − b_s`` stays
+    at most SPAN for every key and token of the block (a decay of at least exp(-SPAN) over the
+    block): its factors, ``exp(b_r − b_s)`` <= exp(SPAN) included, stay in float32 and the dot is
+    3xTF32, so the diagonal keeps near-float32 accuracy (the decay gradient, a small difference of
+    such terms, needs more than bf16 factors give).
+    Otherwise (stronger decays, resets, or DIAG_DOT off) the diagonal block is built row by row
+    with the exact exponent ``b_t − b_s`` <= 0, which no decay can overflow. Per sub-chunk
+    rather than per chunk because the per-chunk version (all C // BC row blocks in one program)
+    took 10.19 ms for its 2 launches in a forward+backward profile on an H200 (bf16, B2 T16384
+    H16 K128, C64), where fla's two equivalent kernels take 0.88 ms. Blocks above the diagonal
+    are never written (readers mask them); the diagonal block's upper triangle is written as 0.
     """
     i_ci, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = C // BC
@@ -140,42 +148,66 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
     t = c0 + i * BC + r
     m_t = t < T
     rows_t = (i_b * T + t).to(tl.int64)
-    ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)  # last token before block i
+    ref = (i_b * T + tl.maximum(tl.minimum(c0 + i * BC, T) - 1, 0)).to(tl.int64)  # the token before block i
     a_rows = A + (i_bh.to(tl.int64) * T + t[:, None]) * C  # row block i of A: [BC, 1] pointers
-    if i > 0:  # blocks j < i in one dot: row block i against the chunk's first i·BC keys
-        cs = tl.arange(0, C)
-        s = c0 + cs
-        m_s = ((cs < i * BC) & (s < T))[:, None]
-        rows_s = (i_b * T + s).to(tl.int64)
-        acc = tl.zeros([BC, C], dtype=tl.float32)
+    diag_dot = False
+    if DIAG_DOT:  # the largest exponent b_r - b_s of the block's keys
+        span = 0.0
+        for i_k in tl.static_range((K + BK - 1) // BK):
+            kk = i_k * BK + tl.arange(0, BK)
+            m_k = (kk < K)[None, :]
+            b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=(kk < K) & (i > 0), other=0.0)
+            span = tl.maximum(span, tl.max(tl.max(b_r[None, :] - b_i, axis=1), axis=0))
+        diag_dot = span <= SPAN
+    for j in tl.static_range(NC - 1):  # blocks j < i (i is a runtime value: a static loop with a guard)
+        if j < i:
+            s = c0 + j * BC + r
+            m_s = (s < T)[:, None]
+            rows_s = (i_b * T + s).to(tl.int64)
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in tl.static_range((K + BK - 1) // BK):
+                kk = i_k * BK + tl.arange(0, BK)
+                m_k = (kk < K)[None, :]
+                q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+                b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+                k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+                b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
+                q_g = (q_i * _exp_le0(b_i - b_r[None, :])).to(q_i.dtype)
+                k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
+                acc += tl.dot(q_g, tl.trans(k_g), input_precision=PREC)
+            tl.store(a_rows + j * BC + r[None, :], acc, mask=m_t[:, None])
+    if diag_dot:  # the diagonal block: float32 factors, a 3xTF32 dot (float32 accuracy)
+        acc = tl.zeros([BC, BC], dtype=tl.float32)
         for i_k in tl.static_range((K + BK - 1) // BK):
             kk = i_k * BK + tl.arange(0, BK)
             m_k = (kk < K)[None, :]
             q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
             b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
-            k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
-            b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
-            b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
-            q_g = (q_i * _exp_le0(b_i - b_r[None, :])).to(q_i.dtype)
-            k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
-            acc += tl.dot(q_g, tl.trans(k_g), input_precision=PREC)
-        tl.store(a_rows + cs[None, :], acc, mask=m_t[:, None] & (cs < i * BC)[None, :])
-    # the diagonal block, one row (query) at a time
-    acc = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in tl.static_range((K + BK - 1) // BK):
-        kk = i_k * BK + tl.arange(0, BK)
-        m_k = (kk < K)[None, :]
-        k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
-        b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
-        for row in range(BC):
-            tq = (i_b * T + c0 + i * BC + row).to(tl.int64)
-            ok = c0 + i * BC + row < T
-            q_q = tl.load(q + (tq * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0).to(tl.float32)
-            b_q = tl.load(b + (tq * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
-            prod = q_q[None, :] * k_i.to(tl.float32) * _exp_le0(b_q[None, :] - b_i)
-            score = tl.sum(tl.where((r <= row)[:, None], prod, 0.0), axis=1)  # over s: [BC]
-            acc += tl.where(r[:, None] == row, score[None, :], 0.0)
-    tl.store(a_rows + i * BC + r[None, :], acc, mask=m_t[:, None])
+            b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=(kk < K) & (i > 0), other=0.0)
+            q_g = q_i.to(tl.float32) * _exp_le0(b_i - b_r[None, :])
+            k_g = k_i.to(tl.float32) * _exp(tl.minimum(b_r[None, :] - b_i, SPAN))  # <= span <= SPAN
+            acc += tl.dot(q_g, tl.trans(k_g), input_precision="tf32x3")
+        acc = tl.where(r[None, :] <= r[:, None], acc, 0.0)  # causal
+        tl.store(a_rows + i * BC + r[None, :], acc, mask=m_t[:, None])
+    if not diag_dot:  # the diagonal block, one row (query) at a time
+        acc = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in tl.static_range((K + BK - 1) // BK):
+            kk = i_k * BK + tl.arange(0, BK)
+            m_k = (kk < K)[None, :]
+            k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+            for row in range(BC):
+                tq = (i_b * T + c0 + i * BC + row).to(tl.int64)
+                ok = c0 + i * BC + row < T
+                q_q = tl.load(q + (tq * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0).to(tl.float32)
+                b_q = tl.load(b + (tq * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+                prod = q_q[None, :] * k_i.to(tl.float32) * _exp_le0(b_q[None, :] - b_i)
+                score = tl.sum(tl.where((r <= row)[:, None], prod, 0.0), axis=1)  # over s: [BC]
+                acc += tl.where(r[:, None] == row, score[None, :], 0.0)
+        tl.store(a_rows + i * BC + r[None, :], acc, mask=m_t[:, None])
 
 
 @triton.jit
@@ -274,10 +306,10 @@ def intra_A(q, k, b, H, C):
     A = launch.empty((B, H, T, C), torch.float32, q.device)
     BC = min(SUB_CHUNK, C)
     grid = (triton.cdiv(T, C) * (C // BC), B * H)
-    # 4 warps: 2.11 vs 2.28 ms (bf16), 2.28 vs 4.05 ms (fp32) with 8, timed alone on an H200
-    # (B2 T16384 H16 K128), though ptxas reports 240 B (bf16) / 596 B (fp32) of spills there
-    _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=_block(K),
-                          PREC=launch.dot_precision(q.dtype), num_warps=4)
+    # 4 warps, key tiles of at most INTRA_A_BK (linear_attn_common)
+    _intra_A_kernel[grid](q, k, b, A, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=min(_block(K), INTRA_A_BK),
+                          PREC=launch.dot_precision(q.dtype), DIAG_DOT=diag_dot(q.dtype), SPAN=DIAG_SPAN,
+                          num_warps=4)
     return A
 
 

@@ -42,6 +42,7 @@ import triton.language as tl
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.linear_attn_common import (
     CHUNK_TUNING,
+    DIAG_SPAN,
     DQK_TUNING,
     LOG_A_MIN,
     STATE_TUNING,
@@ -49,8 +50,10 @@ from hybridzoo.kernels.triton.linear_attn_common import (
     TUNE_KEY,
     _block,
     _exp_le0,
+    diag_dot,
     state_dtype,
 )
+from hybridzoo.kernels.triton.fast_exp import _exp
 
 
 @triton.jit
@@ -171,19 +174,22 @@ def _bwd_dv_kernel(q, k, b, A, do, dh, dv, scale, T, NT, H: tl.constexpr, HK: tl
 @triton.jit
 def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.constexpr,
                           K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, DIAG_DOT: tl.constexpr, SPAN: tl.constexpr):
     """Per-key decay: the intra-chunk parts of dq and dk (per value head, fp32 [B, T, H, K]), from
     q, k ([B, T, HK, K], the inputs' dtype), b and dA (fp32 [B, T, H, K], [B, H, T, C]).
 
     dq_t = Σ_{s<=t} dA[t, s] k_s ⊙ exp(b_t − b_s), dk_s = Σ_{t>=s} dA[t, s] q_t ⊙ exp(b_t − b_s).
 
     One program per (chunk · sub-chunk, K-block, batch·head), grid (NT · C // BC, cdiv(K, BK),
-    B · H; NT · C // BC on axis 0, whose limit is 2³¹ − 1, not 65535): dq and dk of the BC tokens of sub-chunk i (dq from sub-chunks j <= i, dk from
-    sub-chunks i' >= i). Per sub-chunk rather than per chunk because the per-chunk version (all
-    C // BC sub-chunks in one program) took 4.23 ms in a forward+backward profile on an H200
-    (bf16, B2 T16384 H16 K128, C64), where fla's chunk_gla_bwd_kernel_intra takes 1.96 ms: more,
-    shorter programs hide the latency of the sequential diagonal loops. Timed alone on an H200
-    (do_bench, same shape, one run): 4.12 ms per chunk, 2.64 ms per sub-chunk.
+    B · H; NT · C // BC on axis 0, whose limit is 2³¹ − 1, not 65535): dq and dk of the BC tokens
+    of sub-chunk i (dq from sub-chunks j <= i, dk from sub-chunks i' >= i). Each pair of
+    sub-chunks is a tensor-core dot with a reference point between them (as in the forward's
+    ``_intra_A_kernel``); the diagonal pair too (DIAG_DOT: bfloat16 inputs), in float32 with a 3xTF32 dot, when
+    the keys' exponent from the token before sub-chunk i stays at most SPAN in this program's key
+    columns, else it is summed one key (dq) or query (dk) at a time with exact exponents. Per sub-chunk rather than per chunk
+    because the per-chunk version (all C // BC sub-chunks in one program) took 4.23 ms in a
+    forward+backward profile on an H200 (bf16, B2 T16384 H16 K128, C64), where fla's
+    chunk_gla_bwd_kernel_intra takes 1.96 ms: more, shorter programs hide the latency.
     """
     i_ci, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = C // BC
@@ -198,36 +204,46 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     t = c0 + i * BC + r  # the program's sub-chunk: queries of dq, keys of dk
     m_t = t < T
     rows_t = (i_b * T + t).to(tl.int64)
+    causal = r[None, :] <= r[:, None]  # [query, key] inside the diagonal pair
     b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+    # the reference point before sub-chunk i (the chunk's start, b = 0, for i = 0)
+    ref_i = (i_b * T + tl.maximum(tl.minimum(c0 + i * BC, T) - 1, 0)).to(tl.int64)
+    b_ri = tl.load(b + (ref_i * H + i_h) * K + kk, mask=(kk < K) & (i > 0), other=0.0)
+    diag_dot = False
+    if DIAG_DOT:
+        diag_dot = tl.max(tl.max(b_ri[None, :] - b_i, axis=1), axis=0) <= SPAN
     # i is a runtime value: static loops with a guard (the interpreter cannot loop over a bound
     # that depends on program_id)
-    # dq of sub-chunk i
+    # dq of sub-chunk i: key sub-chunks j < i, then the diagonal pair
     acc = tl.zeros([BC, BK], dtype=tl.float32)
-    if i > 0:
-        ref = (i_b * T + tl.minimum(c0 + i * BC, T) - 1).to(tl.int64)
-        b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
-        for j in tl.static_range(NC - 1):
-            if j < i:
-                m_s = (c0 + j * BC + r < T)[:, None]
-                rows_s = (i_b * T + c0 + j * BC + r).to(tl.int64)
-                k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
-                b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
-                dA_ij = tl.load(dA_base + t[:, None] * C + j * BC + r[None, :], mask=m_t[:, None], other=0.0)
-                k_g = (k_j * _exp_le0(b_r[None, :] - b_j)).to(k_j.dtype)
-                acc += tl.dot(dA_ij.to(k_j.dtype), k_g, input_precision=PREC)
-        acc = acc * _exp_le0(b_i - b_r[None, :])
-    for col in range(BC):  # the diagonal block, one key (column) at a time
-        s_col = c0 + i * BC + col
-        ok = s_col < T
-        k_s = tl.load(k + ((i_b * T + s_col).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
-        b_s = tl.load(b + ((i_b * T + s_col).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
-        dA_col = tl.load(dA_base + t * C + i * BC + col, mask=m_t, other=0.0)
-        term = dA_col[:, None] * k_s.to(tl.float32)[None, :] * _exp_le0(b_i - b_s[None, :])
-        acc += tl.where((r >= col)[:, None], term, 0.0)
+    for j in tl.static_range(NC - 1):
+        if j < i:
+            m_s = (c0 + j * BC + r < T)[:, None]
+            rows_s = (i_b * T + c0 + j * BC + r).to(tl.int64)
+            k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+            b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
+            dA_ij = tl.load(dA_base + t[:, None] * C + j * BC + r[None, :], mask=m_t[:, None], other=0.0)
+            k_g = (k_j * _exp_le0(b_ri[None, :] - b_j)).to(k_j.dtype)
+            acc += tl.dot(dA_ij.to(k_j.dtype), k_g, input_precision=PREC)
+    if diag_dot:  # float32 factors, a 3xTF32 dot (float32 accuracy, as the forward's diagonal)
+        k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+        dA_ii = tl.load(dA_base + t[:, None] * C + i * BC + r[None, :], mask=m_t[:, None], other=0.0)
+        k_g = k_i.to(tl.float32) * _exp(tl.minimum(b_ri[None, :] - b_i, SPAN))  # <= span <= SPAN
+        acc += tl.dot(tl.where(causal, dA_ii, 0.0), k_g, input_precision="tf32x3")
+    acc = acc * _exp_le0(b_i - b_ri[None, :])
+    if not diag_dot:
+        for col in range(BC):  # the diagonal block, one key (column) at a time
+            s_col = c0 + i * BC + col
+            ok = s_col < T
+            k_s = tl.load(k + ((i_b * T + s_col).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_s = tl.load(b + ((i_b * T + s_col).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            dA_col = tl.load(dA_base + t * C + i * BC + col, mask=m_t, other=0.0)
+            term = dA_col[:, None] * k_s.to(tl.float32)[None, :] * _exp_le0(b_i - b_s[None, :])
+            acc += tl.where((r >= col)[:, None], term, 0.0)
     tl.store(dq + (rows_t[:, None] * H + i_h) * K + kk[None, :], acc, mask=m_t[:, None] & m_k)
-    # dk of sub-chunk i (its keys s = t, decays b_i)
+    # dk of sub-chunk i (its keys s = t, decays b_i): query sub-chunks j > i, then the diagonal pair
     acc = tl.zeros([BC, BK], dtype=tl.float32)
-    for j in tl.static_range(1, NC):  # query sub-chunks j > i
+    for j in tl.static_range(1, NC):
         if j > i:
             t_j = c0 + j * BC + r
             m_tj = t_j < T
@@ -240,14 +256,21 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
             q_g = (q_j * _exp_le0(b_j - b_r[None, :])).to(q_j.dtype)
             part = tl.dot(tl.trans(dA_ji.to(q_j.dtype)), q_g, input_precision=PREC)
             acc += part * _exp_le0(b_r[None, :] - b_i)
-    for row in range(BC):  # the diagonal block, one query (row) at a time
-        t_row = c0 + i * BC + row
-        ok = t_row < T
-        q_r = tl.load(q + ((i_b * T + t_row).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
-        b_q = tl.load(b + ((i_b * T + t_row).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
-        dA_row = tl.load(dA_base + t_row * C + i * BC + r, mask=ok, other=0.0)
-        term = dA_row[:, None] * q_r.to(tl.float32)[None, :] * _exp_le0(b_q[None, :] - b_i)
-        acc += tl.where((r <= row)[:, None], term, 0.0)
+    if diag_dot:
+        q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
+        dA_ii = tl.load(dA_base + t[:, None] * C + i * BC + r[None, :], mask=m_t[:, None], other=0.0)
+        q_g = q_i.to(tl.float32) * _exp_le0(b_i - b_ri[None, :])
+        part = tl.dot(tl.trans(tl.where(causal, dA_ii, 0.0)), q_g, input_precision="tf32x3")
+        acc += part * _exp(tl.minimum(b_ri[None, :] - b_i, SPAN))  # <= span <= SPAN
+    else:
+        for row in range(BC):  # the diagonal block, one query (row) at a time
+            t_row = c0 + i * BC + row
+            ok = t_row < T
+            q_r = tl.load(q + ((i_b * T + t_row).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_q = tl.load(b + ((i_b * T + t_row).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            dA_row = tl.load(dA_base + t_row * C + i * BC + r, mask=ok, other=0.0)
+            term = dA_row[:, None] * q_r.to(tl.float32)[None, :] * _exp_le0(b_q[None, :] - b_i)
+            acc += tl.where((r <= row)[:, None], term, 0.0)
     tl.store(dk + (rows_t[:, None] * H + i_h) * K + kk[None, :], acc, mask=m_t[:, None] & m_k)
 
 
@@ -402,7 +425,8 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
         # 4 warps: 2.43 vs 2.64 ms (bf16), 2.12 vs 2.65 ms (fp32) with 8, timed alone on an H200
         # (B2 T16384 H16 K128); 158 registers, no spills on sm_90
         _bwd_intra_dqk_kernel[(NT * (C // BC), triton.cdiv(K, BK), B * H)](
-            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=BK, PREC=prec, num_warps=4)
+            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=BK, PREC=prec,
+            DIAG_DOT=diag_dot(q.dtype), SPAN=DIAG_SPAN, num_warps=4)
     dg = None
     if need_dlog_a:  # per key, or (scalar decay) one sum per key block (as many as BK <= 64 makes)
         dg = launch.empty((B, T, H, K) if decay == 2 else (triton.cdiv(K, BK), B, T, H), torch.float32, v.device)

@@ -21,6 +21,23 @@ from hybridzoo.kernels.triton.fast_exp import _exp
 
 LOG_A_MIN = -110.0  # exp(-110) == 0 in float32: a clamped decay is a reset
 SUB_CHUNK = 16      # sub-chunk of the per-key intra-chunk scores
+# A per-key sub-chunk's diagonal block is computed by tensor-core dots when, from the reference
+# point before it, its keys' decay exponents stay within DIAG_SPAN (factors up to exp(40) ~ 2e17,
+# far inside the range of bf16, tf32 and float32), and row by row with exact exponents otherwise.
+# Only bfloat16 inputs take the dots. float16 (largest value 65504) always takes the rows, and so
+# does float32, which keeps the exact path it always had: its GPU bar (1e-4 on every gradient
+# against a float32 reference, T 16384) was met with the dots at K 64 and 128 on an H100, but the
+# K 256 case is not yet checked with them.
+DIAG_SPAN = 40.0
+# key tiles of the per-key scores kernel (_intra_A_kernel), launched on 4 warps: no spills on sm_90
+# at K 128 (185-255 registers with Triton 3.6 / 3.7.1), where 64-wide tiles spill 48-192 B
+INTRA_A_BK = 32
+
+
+def diag_dot(dtype: torch.dtype) -> bool:
+    """Whether the per-key kernels may compute a diagonal sub-chunk block as a dot (see DIAG_SPAN):
+    for bfloat16 inputs only."""
+    return dtype == torch.bfloat16
 
 
 def _block(dim: int) -> int:

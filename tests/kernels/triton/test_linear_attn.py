@@ -186,6 +186,21 @@ def test_per_key_ragged_chunks_every_sub_chunk():
     check("per_key", seed=14, B=2, T=180, K=24, V=16, chunk_size=64, resets=(16, 144, 176))
 
 
+def test_per_key_diagonal_blocks_on_both_sides_of_the_dot_guard():
+    """A per-key diagonal 16 x 16 block is a tensor-core dot when its keys' decay exponents from the
+    token before it stay within DIAG_SPAN, else it is summed row by row (linear_attn_common). With
+    decays of up to e^-4 a token, one run holds blocks of both kinds (asserted from the inputs),
+    in the forward's scores and in the backward's dq and dk; everything matches the reference.
+    bfloat16: the only inputs that take the dots (float32 and float16 take the rows throughout)."""
+    from hybridzoo.kernels.triton.linear_attn_common import DIAG_SPAN, SUB_CHUNK
+
+    kw = dict(B=1, T=128, H=2, K=16, V=16, log_scale=4.0)
+    log_a = make_inputs(21, "per_key", **kw)["log_a"]  # [B, T, H, K]
+    spans = (-log_a).unflatten(1, (-1, SUB_CHUNK)).sum(2).amax(-1)  # each block's largest key span
+    assert (spans > DIAG_SPAN).any() and (spans <= DIAG_SPAN).any(), spans
+    check("per_key", seed=21, chunk_size=64, dtype=torch.bfloat16, tol=8e-3, **kw)
+
+
 @pytest.mark.parametrize("decay", ["scalar", "per_key"])
 def test_backward_reuses_the_forwards_decays_and_scores(decay, monkeypatch):
     """The in-chunk cumulative decays and (per key) the intra-chunk scores are made once, in the
