@@ -136,7 +136,8 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
     rather than per chunk because the per-chunk version (all C // BC row blocks in one program)
     took 10.19 ms for its 2 launches in a forward+backward profile on an H200 (bf16, B2 T16384
     H16 K128, C64), where fla's two equivalent kernels take 0.88 ms. Blocks above the diagonal
-    are never written (readers mask them); the diagonal block's upper triangle is written as 0.
+    are never written, and the diagonal block's upper triangle holds 0 from the rows or the
+    unmasked products of the dot: every reader loads A under a causal mask.
     """
     i_ci, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = C // BC
@@ -190,7 +191,6 @@ def _intra_A_kernel(q, k, b, A, T, H: tl.constexpr, HK: tl.constexpr, K: tl.cons
             q_g = q_i.to(tl.float32) * _exp_le0(b_i - b_r[None, :])
             k_g = k_i.to(tl.float32) * _exp(tl.minimum(b_r[None, :] - b_i, SPAN))  # <= span <= SPAN
             acc += tl.dot(q_g, tl.trans(k_g), input_precision="tf32x3")
-        acc = tl.where(r[None, :] <= r[:, None], acc, 0.0)  # causal
         tl.store(a_rows + i * BC + r[None, :], acc, mask=m_t[:, None])
     if not diag_dot:  # the diagonal block, one row (query) at a time
         acc = tl.zeros([BC, BC], dtype=tl.float32)

@@ -204,7 +204,6 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     t = c0 + i * BC + r  # the program's sub-chunk: queries of dq, keys of dk
     m_t = t < T
     rows_t = (i_b * T + t).to(tl.int64)
-    causal = r[None, :] <= r[:, None]  # [query, key] inside the diagonal pair
     b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
     # the reference point before sub-chunk i (the chunk's start, b = 0, for i = 0)
     ref_i = (i_b * T + tl.maximum(tl.minimum(c0 + i * BC, T) - 1, 0)).to(tl.int64)
@@ -229,7 +228,7 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
         k_i = tl.load(k + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
         dA_ii = tl.load(dA_base + t[:, None] * C + i * BC + r[None, :], mask=m_t[:, None], other=0.0)
         k_g = k_i.to(tl.float32) * _exp(tl.minimum(b_ri[None, :] - b_i, SPAN))  # <= span <= SPAN
-        acc += tl.dot(tl.where(causal, dA_ii, 0.0), k_g, input_precision="tf32x3")
+        acc += tl.dot(dA_ii, k_g, input_precision="tf32x3")  # dA is 0 above the diagonal (_bwd_dA_kernel)
     acc = acc * _exp_le0(b_i - b_ri[None, :])
     if not diag_dot:
         for col in range(BC):  # the diagonal block, one key (column) at a time
@@ -260,7 +259,7 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
         q_i = tl.load(q + (rows_t[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
         dA_ii = tl.load(dA_base + t[:, None] * C + i * BC + r[None, :], mask=m_t[:, None], other=0.0)
         q_g = q_i.to(tl.float32) * _exp_le0(b_i - b_ri[None, :])
-        part = tl.dot(tl.trans(tl.where(causal, dA_ii, 0.0)), q_g, input_precision="tf32x3")
+        part = tl.dot(tl.trans(dA_ii), q_g, input_precision="tf32x3")
         acc += part * _exp(tl.minimum(b_ri[None, :] - b_i, SPAN))  # <= span <= SPAN
     else:
         for row in range(BC):  # the diagonal block, one query (row) at a time
