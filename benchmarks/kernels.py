@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import math
 import os
@@ -50,6 +49,7 @@ import hybridzoo.kernels as K  # noqa: E402
 from benchmarks.fla_backward import allow_fla_gated_backward  # noqa: E402
 from benchmarks.meta import run_metadata, write_json  # noqa: E402
 from benchmarks.precompile import add_compile_threads_argument, every_autotuner_precompiled  # noqa: E402
+from benchmarks.transformers_torch_path import torch_function  # noqa: E402
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule  # noqa: E402
 from hybridzoo.utils import rel_err  # noqa: E402
 
@@ -360,7 +360,7 @@ def cpu_delta_rule(out: str, runs: int, warmup: int, seq_len: int) -> int:
     """Time the gated delta rule's forward + backward, ours and transformers', interleaved; write JSON."""
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    theirs_fn = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)  # the pure-PyTorch path
+    theirs_fn = torch_function(modeling_qwen3_next.torch_chunk_gated_delta_rule)  # the pure-PyTorch path
 
     B, T, H, D, chunk_size = 1, seq_len, 4, 64, 64
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 
+from benchmarks.transformers_torch_path import torch_function
 from hybridzoo.kernels import chunk_delta_rule as chunk_delta_rule_api
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule, delta_rule_loop, delta_rule_step
 from hybridzoo.utils import rel_err
@@ -224,7 +225,7 @@ def test_step_bad_shapes_raise():
 def _transformers_fn(name):
     """The pure-PyTorch function, even when the module-level name is wrapped to dispatch to fla."""
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    return inspect.unwrap(getattr(qwen3_next, name))
+    return torch_function(getattr(qwen3_next, name))
 
 
 @pytest.mark.parametrize("name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])

@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from hybridzoo.utils import rel_err
-
-
-def force_torch_path(monkeypatch, module, names):
-    """Replace the kernel entry points ``names`` of the HF ``module`` by their own pure-PyTorch
-    bodies (the functions its hub/mamba_ssm/causal_conv1d wrappers fall back to), counting calls."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        torch_fn = inspect.unwrap(getattr(module, name))
-        assert torch_fn.__module__ == module.__name__ and torch_fn.__name__ == name, torch_fn
-
-        def counted(*args, _fn=torch_fn, _name=name, **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def copy_from_hf(ours, hf):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hybridzoo.layers import RecurrentState
 from hybridzoo.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, convert_hf_weights
 from hybridzoo.utils import rel_err
+from tests.hf_pure import force_pure_path
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
 
 D_MODEL = 8
@@ -117,29 +118,6 @@ HF_MODULES = {
     "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5TextConfig",
                 "Qwen3_5GatedDeltaNet"),
 }
-PURE = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-        "causal_conv1d_update")
-
-
-def force_pure_path(module, monkeypatch) -> dict[str, int]:
-    """Route the HF module's kernel names to its own pure-PyTorch functions; count their calls.
-
-    transformers binds these names at import time to fla's Triton kernels when fla imports
-    (CUDA only); the torch function is kept as ``__wrapped__`` of the dispatching wrapper.
-    """
-    calls = dict.fromkeys(PURE, 0)
-    for name in PURE:
-        pure = getattr(getattr(module, name), "__wrapped__", getattr(module, name))
-        assert pure.__module__ == module.__name__ and pure.__name__ == name, f"{name} is not HF's torch code"
-
-        def counted(*args, _pure=pure, _name=name, **kwargs):
-            calls[_name] += 1
-            return _pure(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 def hf_pair(variant: str, num_k_heads: int, num_v_heads: int, monkeypatch):
     """A tiny HF GDN layer with random weights (pure path forced), and ours with its weights."""
     pytest.importorskip("transformers", reason="parity with transformers' GDN needs transformers")
@@ -156,7 +134,7 @@ def hf_pair(variant: str, num_k_heads: int, num_v_heads: int, monkeypatch):
         num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=2,
         num_key_value_heads=1, head_dim=4, vocab_size=11, intermediate_size=8, rms_norm_eps=1e-6,
         hidden_act="silu")
-    calls = force_pure_path(module, monkeypatch)
+    calls = force_pure_path(monkeypatch, variant)
     torch.manual_seed(0)
     hf = getattr(module, layer_name)(hf_config, layer_idx=0)
     with torch.no_grad():                                     # move the constant inits off 1

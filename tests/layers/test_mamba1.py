@@ -12,10 +12,10 @@ from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
+from tests.hf_pure import force_module_pure_path
 from tests.layers.hf_parity import (
     assert_same_output_and_grads,
     copy_from_hf,
-    force_torch_path,
     output_and_grads,
 )
 
@@ -91,7 +91,7 @@ def hf_mamba(monkeypatch, d_model, config: Mamba1Config):
                             conv_kernel=config.d_conv, time_step_rank=config.dt_rank,
                             use_bias=config.bias, use_conv_bias=config.conv_bias,
                             num_hidden_layers=1, use_mambapy=False, use_associative_scan=False)
-    calls = force_torch_path(monkeypatch, modeling, [
+    calls = force_module_pure_path(monkeypatch, modeling, [
         "mamba_inner_fn", "mamba_selective_scan", "mamba_selective_state_update",
         "causal_conv1d_fn", "causal_conv1d_update"])
     hf = modeling.MambaMixer(hf_config, layer_idx=0)

@@ -12,10 +12,10 @@ from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
+from tests.hf_pure import force_module_pure_path
 from tests.layers.hf_parity import (
     assert_same_output_and_grads,
     copy_from_hf,
-    force_torch_path,
     output_and_grads,
 )
 
@@ -107,7 +107,7 @@ def hf_mamba2(monkeypatch, d_model, config: Mamba2Config, hf_chunk_size: int):
         conv_kernel=config.d_conv, chunk_size=hf_chunk_size, use_bias=config.bias,
         use_conv_bias=config.conv_bias, time_step_limit=config.time_step_limit,
         layer_norm_epsilon=config.norm_eps, num_hidden_layers=1)
-    calls = force_torch_path(monkeypatch, modeling, [
+    calls = force_module_pure_path(monkeypatch, modeling, [
         "mamba2_split_conv1d_scan_combined", "mamba2_chunk_scan", "mamba2_selective_state_update",
         "causal_conv1d_fn", "causal_conv1d_update"])
     hf = modeling.Mamba2Mixer(hf_config, layer_idx=0)

@@ -15,7 +15,7 @@ from hybridzoo import HybridLM
 from hybridzoo.utils import rel_err
 from hybridzoo.zoo.convert import (ConversionError, convert_checkpoint, from_hf, hf_to_hybrid_config,
                                    save_converted)
-from tests.zoo.hf_pure import force_pure_path
+from tests.hf_pure import force_pure_path
 
 transformers = pytest.importorskip("transformers", reason="the converters are tested against transformers")
 
