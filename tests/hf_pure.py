@@ -10,10 +10,34 @@ counts the calls, so that a test can confirm that the pure path really ran.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 
 import pytest
 
 from benchmarks.transformers_torch_path import torch_function
+
+PARITY_TRANSFORMERS = (5, 24)
+
+
+def _installed_transformers() -> tuple[int, int] | None:
+    """(major, minor) of the installed transformers, without importing it (None: not installed)."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("transformers"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (int(found[1]), int(found[2])) if found else None
+
+
+#: Parity tests written against transformers >= 5.24's models and caches. Older releases differ:
+#: 5.23 has no ``cache`` keyword in ``create_causal_mask`` and no ``DynamicCache.get_recurrent_state``;
+#: 5.22 and older also fail in ``torch_chunk_gated_delta_rule`` with fewer key heads than value heads
+#: and give other Mamba-2 outputs with ``n_groups`` > 1. Python 3.10 resolves transformers 5.20.2,
+#: the newest release for it.
+needs_parity_transformers = pytest.mark.skipif(
+    (_installed_transformers() or PARITY_TRANSFORMERS) < PARITY_TRANSFORMERS,
+    reason=f"written against transformers >= 5.24's models and caches; the installed "
+           f"{'.'.join(map(str, _installed_transformers() or ()))} differs")
 
 _QWEN_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
                  "causal_conv1d_fn", "causal_conv1d_update")

@@ -12,6 +12,7 @@ from benchmarks.transformers_torch_path import torch_function
 from hybridzoo.kernels import chunk_delta_rule as chunk_delta_rule_api
 from hybridzoo.kernels.reference.delta_rule import chunk_delta_rule, delta_rule_loop, delta_rule_step
 from hybridzoo.utils import rel_err
+from tests.hf_pure import needs_parity_transformers
 
 F64 = torch.float64
 
@@ -228,6 +229,7 @@ def _transformers_fn(name):
     return torch_function(getattr(qwen3_next, name))
 
 
+@needs_parity_transformers
 @pytest.mark.parametrize("name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
 def test_parity_with_transformers(name):
     fn = _transformers_fn(name)

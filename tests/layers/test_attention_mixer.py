@@ -8,6 +8,7 @@ import torch
 from hybridzoo.layers.attention import Attention, AttentionConfig, KVState
 from hybridzoo.layers.state import RecurrentState, StateError
 from hybridzoo.utils import rel_err
+from tests.hf_pure import needs_parity_transformers
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
 
 D_MODEL = 16
@@ -218,6 +219,7 @@ def run_parity(monkeypatch, ours, hf_module, hf_attn, rotary, mask_fn, T=12):
     return y
 
 
+@needs_parity_transformers
 def test_parity_llama_gqa(monkeypatch):
     from transformers import LlamaConfig
     from transformers.masking_utils import create_causal_mask
@@ -232,6 +234,7 @@ def test_parity_llama_gqa(monkeypatch):
                create_causal_mask)
 
 
+@needs_parity_transformers
 def test_parity_qwen3_next_gated(monkeypatch):
     from transformers import Qwen3NextConfig
     from transformers.masking_utils import create_causal_mask
@@ -249,6 +252,7 @@ def test_parity_qwen3_next_gated(monkeypatch):
                modeling_qwen3_next.Qwen3NextRotaryEmbedding(config), create_causal_mask)
 
 
+@needs_parity_transformers
 def test_parity_qwen3_sliding_window(monkeypatch):
     from transformers import Qwen3Config
     from transformers.masking_utils import create_sliding_window_causal_mask

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hybridzoo.layers import RecurrentState
 from hybridzoo.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, convert_hf_weights
 from hybridzoo.utils import rel_err
-from tests.hf_pure import force_pure_path
+from tests.hf_pure import force_pure_path, needs_parity_transformers
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
 
 D_MODEL = 8
@@ -167,6 +167,7 @@ def test_parity_with_hf(variant, num_k_heads, num_v_heads, monkeypatch):
         assert rel_err(g, gw_ref[name]) <= 1e-5, f"{name}: {rel_err(g, gw_ref[name])}"
 
 
+@needs_parity_transformers
 @pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5"])
 def test_cache_parity_with_hf(variant, monkeypatch):
     """Prefill then single-token decoding against HF's cache: outputs and both states."""

@@ -12,7 +12,7 @@ from hybridzoo.layers.mamba2 import Mamba2, Mamba2Config
 from hybridzoo.layers.state import RecurrentState
 from hybridzoo.utils import rel_err
 from tests.layers.contract import check_bad_inputs, check_pieces_and_decoding
-from tests.hf_pure import force_module_pure_path
+from tests.hf_pure import force_module_pure_path, needs_parity_transformers
 from tests.layers.hf_parity import (
     assert_same_output_and_grads,
     copy_from_hf,
@@ -115,6 +115,7 @@ def test_parity_with_transformers(monkeypatch):
     assert_same_output_and_grads(output_and_grads(ours, x, weight), from_hf)
 
 
+@needs_parity_transformers
 def test_decoding_parity_with_transformers_cache(monkeypatch):
     """Prefill then token steps with HF's cache == our carried state (outputs and states)."""
     DynamicCache = pytest.importorskip("transformers").DynamicCache

@@ -15,7 +15,7 @@ from hybridzoo import HybridLM
 from hybridzoo.utils import rel_err
 from hybridzoo.zoo.convert import (ConversionError, convert_checkpoint, from_hf, hf_to_hybrid_config,
                                    save_converted)
-from tests.hf_pure import force_pure_path
+from tests.hf_pure import force_pure_path, needs_parity_transformers
 
 transformers = pytest.importorskip("transformers", reason="the converters are tested against transformers")
 
@@ -64,7 +64,7 @@ def saved_hf(family: str, directory, shard: bool = False):
     return hf.eval(), pure
 
 
-FAMILIES = ["mamba", "mamba2", "qwen3_next", "qwen3_5", "qwen3_5_vl"]
+FAMILIES = ["mamba", pytest.param("mamba2", marks=needs_parity_transformers), "qwen3_next", "qwen3_5", "qwen3_5_vl"]
 PURE_CALLS = {"mamba": "mamba_selective_scan", "mamba2": "mamba2_chunk_scan",
               "qwen3_next": "torch_chunk_gated_delta_rule", "qwen3_5": "torch_chunk_gated_delta_rule"}
 
@@ -203,6 +203,7 @@ def console_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "hybridzoo.cli"]
 
 
+@needs_parity_transformers
 def test_cli_convert_then_eval_round_trip(tmp_path, monkeypatch):
     """``hybridzoo convert SRC OUT`` on a saved byte-level transformers Mamba-2, then
     ``hybridzoo eval OUT --data FILE``: the held-out loss it reports is the transformers model's own
