@@ -34,10 +34,11 @@ def _installed_transformers() -> tuple[int, int] | None:
 #: 5.22 and older also fail in ``torch_chunk_gated_delta_rule`` with fewer key heads than value heads
 #: and give other Mamba-2 outputs with ``n_groups`` > 1. Python 3.10 resolves transformers 5.20.2,
 #: the newest release for it.
+_INSTALLED = _installed_transformers()
 needs_parity_transformers = pytest.mark.skipif(
-    (_installed_transformers() or PARITY_TRANSFORMERS) < PARITY_TRANSFORMERS,
-    reason=f"written against transformers >= 5.24's models and caches; the installed "
-           f"{'.'.join(map(str, _installed_transformers() or ()))} differs")
+    _INSTALLED is not None and _INSTALLED < PARITY_TRANSFORMERS,
+    reason=f"written against transformers >= {'.'.join(map(str, PARITY_TRANSFORMERS))}'s models and caches; "
+           f"the installed {'.'.join(map(str, _INSTALLED or ()))} differs")
 
 _QWEN_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
                  "causal_conv1d_fn", "causal_conv1d_update")
