@@ -134,7 +134,7 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     for key in pairs:
         hz, ref = runs[(*key, "hybridzoo")], runs[(*key, "reference")]
         cut = lambda r: f" (cut at {r['steps']} steps: {r['stopped']})" if r.get("stopped") else ""  # noqa: E731
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]} | {hz.get('first_loss')} / {ref.get('first_loss')} "
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]} | {hz.get('first_loss') or '-'} / {ref.get('first_loss') or '-'} "
                      f"| {hz['accuracy']:.3f}{cut(hz)} / {ref['accuracy']:.3f}{cut(ref)} | {curve(hz)} | {curve(ref)} |")
     return lines + [""]
 

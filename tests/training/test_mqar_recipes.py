@@ -264,6 +264,9 @@ def test_paired_table_lines_up_the_two_implementations_of_a_seed():
     assert row.split("|")[1:-1] == [" gpu ", " mqar-gdn-l ", " 0.003 ", " 1 ", " 9.1 / 9.2 ",
                                     " 0.900 / 0.500 (cut at 500 steps: time limit 200 s) ", " 0.45 0.90 ",
                                     " 0.25 0.50 "]
+    kept_from_log = [rows[0], dict(rows[1], first_loss=None, stopped=None)]  # a row rebuilt without its first loss
+    (row,) = [line for line in bench.paired_table(kept_from_log) if line.startswith("| gpu |")]
+    assert row.split("|")[5] == " 9.1 / - "
 
 
 def test_set_overrides_the_hybridzoo_mixer_and_names_the_run(tmp_path):
