@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import re
 
 import pytest
+from packaging.version import Version
 
 from benchmarks.transformers_torch_path import torch_function
 
@@ -23,10 +23,9 @@ PARITY_TRANSFORMERS = (5, 24)
 def _installed_transformers() -> tuple[int, int] | None:
     """(major, minor) of the installed transformers, without importing it (None: not installed)."""
     try:
-        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("transformers"))
+        return Version(importlib.metadata.version("transformers")).release[:2]
     except importlib.metadata.PackageNotFoundError:
         return None
-    return (int(found[1]), int(found[2])) if found else None
 
 
 #: Parity tests written against transformers >= 5.24's models and caches. Older releases differ:
