@@ -87,6 +87,22 @@ def _close(ours, ref, tol):
         assert rel_err(a.float(), b.float()) < tol
 
 
+def _close_fla(run, inputs, tol):
+    """fla against the reference; fla refuses the backward of its gated ops on Hopper with Triton
+    < 3.7.1 (its issue #640): there the forward (outputs and final states) is compared alone."""
+    ref = _grads(run("reference"), inputs)
+    try:
+        ours = _grads(run("fla"), inputs)
+    except RuntimeError as error:
+        if "#640" not in str(error):
+            raise
+        with torch.no_grad():
+            out, final = run("fla")(*inputs)
+        assert rel_err(out.float(), ref[0].float()) < tol and rel_err(final.float(), ref[1].float()) < tol
+        return
+    _close(ours, ref, tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["none", "scalar", "per_key"])
 def test_fla_packed_chunk_linear_attn_matches_reference(kind):
@@ -98,7 +114,7 @@ def test_fla_packed_chunk_linear_attn_matches_reference(kind):
         return lambda q, k, v, log_a, s0: K.chunk_linear_attn(q, k, v, log_a, initial_state=s0, output_final_state=True,
                                                                cu_seqlens=cu, backend=backend)
 
-    _close(_grads(run("fla"), (q, k, v, log_a, s0)), _grads(run("reference"), (q, k, v, log_a, s0)), 5e-3)
+    _close_fla(run, (q, k, v, log_a, s0), 5e-3)
 
 
 @pytest.mark.gpu
@@ -113,7 +129,7 @@ def test_fla_packed_chunk_delta_rule_matches_reference(gated):
         return lambda q, k, v, log_a, beta, s0: K.chunk_delta_rule(
             q, k, v, log_a, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu, backend=backend)
 
-    _close(_grads(run("fla"), (q, k, v, log_a, beta, s0)), _grads(run("reference"), (q, k, v, log_a, beta, s0)), 5e-3)
+    _close_fla(run, (q, k, v, log_a, beta, s0), 5e-3)
 
 
 @pytest.mark.gpu
