@@ -158,3 +158,19 @@ def test_attention_on_the_reference_masks_documents():
     o, _ = attention(q, q, q, cu_seqlens=torch.tensor([0, 2, 5]), backend="reference")
     o2, _ = attention(q[:, 2:], q[:, 2:], q[:, 2:], backend="reference")
     assert (o[:, 2:] - o2).abs().max() < 1e-12
+
+
+def test_a_converted_cu_seqlens_is_validated_once(monkeypatch):
+    """The int32 copy of an int64 cu_seqlens is remembered too: the reference's own check (and
+    every later layer's) reads no values again."""
+    from hybridzoo.kernels import varlen
+
+    cu = torch.tensor([0, 2, 5], dtype=torch.int64)
+    first = check_cu_seqlens(cu, 5)
+    assert check_cu_seqlens(cu, 5) is first
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or [])
+    assert check_cu_seqlens(first, 5) is first and check_cu_seqlens(cu, 5) is first
+    assert calls == []
+    monkeypatch.undo()
+    assert varlen.check_cu_seqlens(torch.tensor([0, 5]), 5).tolist() == [0, 5]
