@@ -11,7 +11,7 @@ files (``<name>-runs/*.json``), in any mix. Runs of one group may repeat a seed 
 run counts.
 
     python scripts/mqar_takeoff.py benchmarks/results/2026-12-03-mqar-gpu-3000-h200.json \\
-        benchmarks/results/2026-12-04-mqar-mamba2-s-bisect-h200.json --recipe mqar-mamba2-s --lr 0.01
+        benchmarks/results/investigations/2026-12-04-mqar-mamba2-s-bisect-h200.json --recipe mqar-mamba2-s --lr 0.01
 """
 
 from __future__ import annotations
