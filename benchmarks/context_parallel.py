@@ -50,7 +50,7 @@ def _parse(argv):
     parser.add_argument("--check-grads", action="store_true", help="compare the sharded step's loss and "
                         "gradients with the unsharded step's")
     parser.add_argument("--seco-chunk", type=int, default=None, help="each rank runs SeCO over its slice in "
-                        "chunks of this many tokens (hybridzoo.parallel.seco); the unsharded run too")
+                        "chunks of this many tokens (hybridzoo.training.seco_ranks); the unsharded run too")
     parser.add_argument("--skip-unsharded", action="store_true", help="time only the sharded step (for "
                         "lengths one device cannot hold)")
     parser.add_argument("--out", default=None, help="also write the JSON result here")

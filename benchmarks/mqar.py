@@ -222,17 +222,14 @@ def evaluate(model, ids, labels, batch_size: int, device: str, autocast) -> tupl
 class RunLoop:
     """One run's training state and loop: the recipe's model (``build_model``), AdamW over
     ``param_groups``, warm-up then cosine, the seed's data and epoch order, and the step
-    (:class:`benchmarks.graph_step.TrainStep`, a CUDA graph where ``graph``). ``train_run`` and
-    ``scripts/mqar_grad_check.py`` both train through it, so a checked run is the benchmark's run.
-
-    ``model_hook(model, config) -> model`` replaces the built model before it moves to ``device``
-    (the grad check trains a copy on another kernel backend). ``dtype`` ``"bf16"``: training and
+    (:class:`benchmarks.graph_step.TrainStep`, a CUDA graph where ``graph``). ``train_run`` trains
+    through it. ``dtype`` ``"bf16"``: training and
     evaluation under bf16 autocast on CUDA; ``"fp32"`` (and on the CPU): float32 throughout.
     Attributes that a resumed run restores: ``order``, ``position``, ``step``, ``epoch_rng``.
     """
 
     def __init__(self, recipe: str, impl: str, spec: dict[str, Any], seed: int, lr: float, device: str,
-                 graph: bool = True, dtype: str = "bf16", model_hook=None):
+                 graph: bool = True, dtype: str = "bf16"):
         import torch
 
         from benchmarks.graph_step import TrainStep, autocast, make_optimizer
@@ -241,8 +238,6 @@ class RunLoop:
         cuda = device.startswith("cuda")
         model, self.config = build_model(recipe, impl, spec, seed)
         self.epoch_rng = epoch_generator()
-        if model_hook is not None:
-            model = model_hook(model, self.config)
         self.model = model.to(device)
         self.device, self.batch = device, spec["batch_size"]
         self.graph = cuda and graph

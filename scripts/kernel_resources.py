@@ -210,7 +210,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
 # bytes of spill stores per thread a setting may have: the selective scan's backward candidates
 # spill at N = 16 with Triton 3.6 (524, 540, 180 and 236 B; 3.7.1 and 3.9: 0 to 48 B) and stay
 # candidates: they are the fastest measured on an H200 with Triton 3.6, spills included
-# (benchmarks/results/2026-12-02-probe-scan-configs-h200.jsonl)
+# (benchmarks/results/investigations/2026-12-02-probe-scan-configs-h200.jsonl)
 # The narrow backward tiles at N = 64 spill a few tens of bytes (2-wide on 4 warps: 40 B with 3.7.1,
 # 68 B with 3.9; 4-wide on 8 warps: 24 and 12 B), where the N = 16 candidates would spill 3.7 to
 # 33 KB there (they are pruned at N = 64: selective_scan._fitting). The 4-wide 1-warp backward

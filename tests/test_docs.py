@@ -4,7 +4,8 @@ Conventions for the documents:
 
 * A fenced ```python block is executed (all blocks in one subprocess, each in a fresh namespace,
   in a temporary directory that holds an untrained ``tiny-hybrid`` export at
-  ``runs/tiny-hybrid/export``) unless the line before its fence is ``<!-- no-run: REASON -->``
+  ``runs/tiny-hybrid/export``, the main command's, and at ``runs/quickstart/export``, the
+  quickstart's) unless the line before its fence is ``<!-- no-run: REASON -->``
   (the reason is required: a bare marker fails).
 * A fenced ```bash block is executed command by command in that directory (the repository's
   ``benchmarks/`` and ``scripts/`` linked in) unless it carries the same marker. Every command,
@@ -104,6 +105,7 @@ DRIVER = textwrap.dedent("""
     import contextlib, io, json, runpy, subprocess, sys, traceback
     from hybridzoo import HybridLM
     HybridLM.from_recipe("tiny-hybrid").save_pretrained("runs/tiny-hybrid/export")
+    HybridLM.from_recipe("tiny-hybrid").save_pretrained("runs/quickstart/export")
 
     def run_block(doc, line, code):
         try:
@@ -282,3 +284,107 @@ def test_links_and_cited_paths_exist():
                 continue
             for one in _expand(cited):
                 assert (ROOT / one).exists(), f"{path.name}: `{cited}` does not exist"
+
+
+# ---- published figures -----------------------------------------------------------------------------
+# A README table that publishes figures ends in a ``source`` column of links into benchmarks/results/
+# (several where a row's cells come from several files). Every figure in the row's other cells
+# (a number outside backticks, outside the ``GPU, commit`` column) must be held by one of the row's
+# files: the same digits as text, or a number there that rounds to it (a JSON's 148364.27 holds the
+# README's 148,364; its 0.8612 holds 0.86; a byte count holds its GiB).
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURE = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)(?![\w.])|(?<![\w.])(\d+(?:\.\d+)?)(?=x|%|s\b|ms\b)")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def figures(cell: str) -> list[str]:
+    """The figures of one table cell: numbers outside backticks (``gla-340m``, a shape such as
+    ``B2`` or a hash such as ``c8f52cf`` are not figures), commas dropped."""
+    text = re.sub(r"`[^`]*`", " ", cell)
+    return [(a or b).replace(",", "") for a, b in FIGURE.findall(text)]
+
+
+def holds(text: str, figure: str) -> bool:
+    """Whether a results file's ``text`` holds ``figure`` (see above)."""
+    if re.search(rf"(?<![\d.]){re.escape(figure)}(?!\d)", text.replace(",", "")):
+        return True
+    decimals = len(figure.split(".")[1]) if "." in figure else 0
+    target = float(figure)
+    values = [float(n) for n in NUMBER.findall(text)]
+    values += [v / 2 ** 30 for v in values if v >= 2 ** 20]  # peak_bytes read as GiB
+    return any(abs(round(v, decimals) - target) < 10 ** -(decimals + 3) for v in values)
+
+
+def published_rows(text: str) -> list[tuple[int, list[str], list[str]]]:
+    """``(line, [figures], [cited results files])`` of every table row that ends in a source column."""
+    rows, header = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if set(line) <= set("|-: ") or header[-1] != "source":
+            continue
+        sources = re.findall(r"\]\((benchmarks/results/[^)#\s]+)\)", cells[-1])
+        skip = {i for i, name in enumerate(header) if name in ("gpu, commit", "source")}
+        found = [f for i, cell in enumerate(cells) if i not in skip for f in figures(cell)]
+        rows.append((number, found, sources))
+    return rows
+
+
+def missing_figures(text: str) -> list[str]:
+    """Each problem of ``text``'s published rows: a row with no source, a source that does not
+    exist, a figure none of the row's sources holds."""
+    problems = []
+    for line, found, sources in published_rows(text):
+        if not sources:
+            problems.append(f"line {line}: no benchmarks/results/ file in its source column")
+        texts = []
+        for source in sources:
+            if not (ROOT / source).is_file():
+                problems.append(f"line {line}: {source} does not exist")
+            else:
+                texts.append((ROOT / source).read_text())
+        for figure in found:
+            if texts and not any(holds(t, figure) for t in texts):
+                problems.append(f"line {line}: {figure} is in none of {sources}")
+    return problems
+
+
+def test_figure_check_fails_on_a_figure_its_file_does_not_hold():
+    source = "benchmarks/results/2026-12-05-kernels-h100-c8f52cf.md"
+    table = ("| op | ours | ours / anchor | GPU, commit | source |\n|---|---|---|---|---|\n"
+             f"| `chunk_delta_rule` | {{}} | 2.09x | H100, 14f973d | [md]({source}) |\n")
+    assert figures("`mamba2-130m` B2 T16384 1.65 (1.55–1.77) 148,364 0.86x") == ["1.65", "1.55", "1.77", "148364", "0.86"]
+    assert missing_figures(table.format("8.55")) == []
+    assert missing_figures(table.format("8.57")) == [f"line 3: 8.57 is in none of ['{source}']"]
+    assert missing_figures(table.replace(source, "benchmarks/results/nothing.md").format("8.55"))[0].endswith("does not exist")
+    assert holds('{"tokens_per_s": 148364.27}', "148364") and not holds('{"tokens_per_s": 148365.7}', "148364")
+    assert holds('{"peak_bytes": 19907378176}', "18.5") and not holds('{"peak_bytes": 19907378176}', "18.6")
+
+
+def test_readme_figures_are_held_by_their_results_files():
+    readme = (ROOT / "README.md").read_text()
+    rows = published_rows(readme)
+    assert len(rows) >= 15, "the README's results tables end in a source column"
+    problems = missing_figures(readme)
+    assert not problems, "\n".join(problems)
+
+
+def test_results_index_lists_every_results_file_the_documents_cite():
+    """benchmarks/results/README.md names every results file that README.md (in its tables' source
+    columns or in backticks) or a docs/ page cites, and links only to files that exist."""
+    index = (RESULTS / "README.md").read_text()
+    cited = {s for _, _, sources in published_rows((ROOT / "README.md").read_text()) for s in sources}
+    for path in DOCS:
+        cited.update(one for c in REPO_PATH.findall(path.read_text()) if c.startswith("benchmarks/results/")
+                     and not any(mark in c for mark in ("<", "*", "...", "$")) for one in _expand(c))
+    assert len(cited) >= 15
+    missing = sorted(s for s in cited if (ROOT / s).is_file() and Path(s).name not in index)
+    assert not missing, f"benchmarks/results/README.md does not list {missing}"
+    for target in re.findall(r"\]\(([^)#\s]+)\)", index):
+        if not re.match(r"[a-z]+://", target):
+            assert (RESULTS / target).exists(), f"benchmarks/results/README.md: broken link {target}"

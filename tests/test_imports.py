@@ -4,6 +4,10 @@ Every ``import`` / ``from ... import`` of a hybridzoo module counts, at module l
 function (a lazy import hides a cycle from the interpreter, not from the reader), except those
 under ``if TYPE_CHECKING:``. ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
 else to ``a.b``; importing a submodule is not counted as depending on its parent package.
+
+The same graph collapsed to hybridzoo's top-level subpackages (``kernels``, ``parallel``, ``layers``,
+...) has no cycle either, and the five layers of the design import one way only:
+``kernels`` <- ``parallel`` <- ``layers`` <- ``zoo`` <- ``training`` (docs: /DESIGN.md).
 """
 
 from __future__ import annotations
@@ -136,6 +140,69 @@ def test_graph_counts_lazy_relative_and_type_checking_imports(tmp_path):
 def test_hybridzoo_has_no_import_cycle():
     found = [sorted(c) for c in cycles(import_graph(module_files()))]
     assert not found, f"import cycles among hybridzoo's modules: {found}"
+
+
+#: the design's dependency direction: a folder may import only folders to its left
+DIRECTION = ("kernels", "parallel", "layers", "zoo", "training")
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, set[tuple[str, str]]]]:
+    """``{folder: {folder it imports: {(module, imported module), ...}}}`` for the top-level
+    subpackages and modules of the package (``hybridzoo.layers.conv`` -> ``layers``); imports
+    within one folder and of the package root are left out."""
+    def folder(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    out: dict[str, dict[str, set[tuple[str, str]]]] = {}
+    for module, edges in graph.items():
+        for target in edges:
+            a, b = folder(module), folder(target)
+            if a and b and a != b:
+                out.setdefault(a, {}).setdefault(b, set()).add((module, target))
+    return out
+
+
+def folder_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Every folder cycle (each pair importing each other both ways named with its imports) and
+    every import against :data:`DIRECTION`."""
+    folders = folder_graph(graph)
+    problems = []
+    for component in cycles({a: set(b) for a, b in folders.items()}):
+        pairs = [f"{a} -> {b} ({sorted(folders[a][b])[:3]})" for a in sorted(component)
+                 for b in sorted(folders.get(a, {})) if b in component]
+        problems.append("folder cycle: " + "; ".join(pairs))
+    for a, targets in folders.items():
+        for b, why in targets.items():
+            if a in DIRECTION and b in DIRECTION and DIRECTION.index(b) > DIRECTION.index(a):
+                problems.append(f"{a} imports {b} against the direction {' <- '.join(DIRECTION)}: {sorted(why)[:3]}")
+    return problems
+
+
+def test_folder_check_finds_planted_loops(tmp_path):
+    """The folder check fails on the loop this package once had: a layer consulting
+    ``parallel.context`` while a lazy import in ``parallel`` reads the layers' state types."""
+    package = tmp_path / "pkg"
+    for sub in ("parallel", "layers", "zoo"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "parallel" / "context.py").write_text("")
+    (package / "parallel" / "link.py").write_text("def f():\n    from pkg.layers.state import S\n")
+    (package / "layers" / "state.py").write_text("from pkg.parallel.context import x\n")
+    (package / "zoo" / "model.py").write_text("from pkg.layers import state\n")
+    graph = import_graph(module_files(package))
+    assert cycles(graph) == []  # no module-level cycle: only the folders loop
+    problems = folder_problems(graph)
+    assert len(problems) == 2 and problems[0].startswith("folder cycle: layers -> parallel"), problems
+    assert "parallel imports layers against the direction" in problems[1], problems
+    (package / "parallel" / "link.py").write_text("")
+    assert folder_problems(import_graph(module_files(package))) == []
+
+
+def test_hybridzoo_folders_import_one_way():
+    problems = folder_problems(import_graph(module_files()))
+    assert not problems, "\n".join(problems)
 
 
 def test_backward_kernel_modules_import_first():

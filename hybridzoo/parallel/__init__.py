@@ -8,8 +8,11 @@
 * :mod:`~hybridzoo.parallel.ring_attention` — ring attention, contiguous or zig-zag;
 * :mod:`~hybridzoo.parallel.comm` — point-to-point messages as autograd Functions, shape checks;
 * :mod:`~hybridzoo.parallel.costs` — bytes sent per layer and step;
-* :mod:`~hybridzoo.parallel.seco` — SeCO with each rank chunking its own slice (the rank hand-off);
 * :mod:`~hybridzoo.parallel.lightning` — the Lightning callback (imports Lightning).
+
+SeCO with each rank chunking its own slice (the rank hand-off) is
+:mod:`hybridzoo.training.seco_ranks`: it needs the layers' state types, and nothing here imports
+the layers (the layers import :mod:`~hybridzoo.parallel.context`).
 
 See docs/context-parallel.md. Importing this package imports nothing but torch.
 """

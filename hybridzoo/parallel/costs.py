@@ -24,7 +24,7 @@ boundary, forward only). Recurrent traffic does not grow with ``T``; attention's
 :func:`model_bytes_per_step` sums these for a :class:`~hybridzoo.zoo.HybridLM`; a test counts the
 bytes the ranks actually send and checks they equal it.
 
-SeCO under context parallelism (:mod:`hybridzoo.parallel.seco`) hands states and K/V from rank to
+SeCO under context parallelism (:mod:`hybridzoo.training.seco_ranks`) hands states and K/V from rank to
 rank instead: :func:`seco_bytes_per_step` (formulas in that module's docstring).
 """
 
@@ -93,7 +93,7 @@ def seco_bytes_per_step(model, size: int, batch: int, local_len: int, dtype: tor
                         with_labels: bool = True) -> tuple[int, int]:
     """``(forward, backward)`` bytes all ranks send together in one context-parallel SeCO step of
     a ``HybridLM`` with activations in ``dtype`` (default: the parameters'); see
-    :mod:`hybridzoo.parallel.seco`. Forward: stage 1's hand-off and the labels' shift; backward:
+    :mod:`hybridzoo.training.seco_ranks`. Forward: stage 1's hand-off and the labels' shift; backward:
     stage 2's."""
     dtype = dtype or next(model.parameters()).dtype
     e = torch.empty((), dtype=dtype).element_size()

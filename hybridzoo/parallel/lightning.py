@@ -19,7 +19,7 @@ training batch the callback
 unsharded.
 
 With the :class:`~hybridzoo.training.seco.SeCO` callback as well, each rank runs SeCO over its own
-slice (``seco_step`` sees the active context; :mod:`hybridzoo.parallel.seco`): the ranks hand the
+slice (``seco_step`` sees the active context; :mod:`hybridzoo.training.seco_ranks`): the ranks hand the
 states and K/V on in stage 1 and their gradients back in stage 2, one rank after another, so the
 step is exact but not faster than single-process SeCO; what it saves is memory (a rank holds its
 slice's boundary states and the K/V up to its slice's end). SpaCO (``spaco_budget``) is refused

@@ -88,7 +88,7 @@ from hybridzoo.layers.attention import Attention, BlockKVState, KVState, _HighWa
 from hybridzoo.layers.state import MixerState
 from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import _sharded_shift_labels, suspended
-from hybridzoo.parallel.seco import RankLink
+from hybridzoo.training.seco_ranks import RankLink
 from hybridzoo.utils import rel_err
 from hybridzoo.zoo.model import lm_loss, shift_labels
 
@@ -488,7 +488,7 @@ def seco_step(
     Under :func:`~hybridzoo.parallel.context.context_parallel`, ``batch`` is this rank's
     contiguous slice and the step is this rank's share (loss and gradient; the shares sum to the
     whole sequence's), the ranks handing states and K/V between them
-    (:mod:`hybridzoo.parallel.seco`); SpaCO is refused there.
+    (:mod:`hybridzoo.training.seco_ranks`); SpaCO is refused there.
 
     Returns:
         :class:`SeCOResult`. Without ``defer_last`` the gradients are accumulated into ``.grad``

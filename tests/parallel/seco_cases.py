@@ -1,6 +1,6 @@
 """SeCO under context parallelism (run inside ranks): each rank chunks its own slice; the summed
 shares of loss and gradient equal the single-process full-backprop run (float64), and the bytes
-sent equal :func:`hybridzoo.parallel.seco.seco_bytes_per_step`."""
+sent equal :func:`hybridzoo.parallel.costs.seco_bytes_per_step`."""
 
 from __future__ import annotations
 

@@ -445,14 +445,6 @@ def test_train_step_on_the_cpu_is_the_eager_step_and_refuses_a_graph():
         TrainStep(models[0], optims[0], ids, labels, clip=1.0, graph=True)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_time_mqar_step_script_says_it_needs_cuda():
-    from tests.conftest import load_script
-
-    with pytest.raises(SystemExit, match="needs CUDA"):
-        load_script("time_mqar_step").main([])
-
-
 def test_quick_autotuning_shortens_the_timing_of_every_autotuner(monkeypatch):
     """quick_autotuning: triton.testing.do_bench (what Triton's autotuners time configs with)
     gets 2 + 10 ms defaults, passes explicit arguments through, and is not wrapped twice."""
@@ -492,42 +484,6 @@ def test_runs_sharing_a_process_on_streams_equal_runs_alone(tmp_path, capsys, mo
     capsys.readouterr()
 
 
-def test_grad_check_script_compares_every_path_with_float64(tmp_path):
-    """``scripts/mqar_grad_check.py`` on the CPU: float32 paths give the float64 gradient to 1e-4,
-    the bf16 paths differ from it (they are measured, not copied), the run's weights are saved
-    only at ``--save-states`` steps, and the accuracy is logged."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, str(root / "scripts" / "mqar_grad_check.py"), "--setting", "cpu-smoke",
-                    "--recipe", "mqar-gdn-s", "--steps", "2", "--max-steps", "12", "--check", "0,2",
-                    "--save-states", "2", "--out", str(tmp_path)], check=True, capture_output=True, cwd=root)
-    result = json.loads((tmp_path / "grad_check.json").read_text())
-    checks = [e for e in result["log"] if "variants" in e]
-    assert [e["step"] for e in checks] == [0, 2]
-    for entry in checks:
-        variants = entry["variants"]
-        assert set(variants) == {"auto-bf16", "auto-fp32", "ref-bf16", "ref-fp32", "ref-fp64"}
-        for name in ("auto-fp32", "ref-fp32"):
-            assert variants[name]["grad_rel_err"] < 1e-4
-        for name in ("auto-bf16", "ref-bf16"):
-            assert 1e-4 < variants[name]["grad_rel_err"] < 0.5
-        assert abs(variants["auto-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
-        # every parameter's error relative to its own gradient: all of them, small in fp32, and in
-        # bf16 at least one well above fp32's
-        own32, own16 = variants["auto-fp32"]["param_rel_err"], variants["auto-bf16"]["param_rel_err"]
-        assert set(own32) == set(own16) and {"blocks.0.mixer.A_log", "embed.weight"} <= set(own32)
-        assert max(own32.values()) < 1e-3 and max(own16.values()) > 1e-3
-        # the error along the true gradient: never more than the whole error (Cauchy-Schwarz),
-        # and not zero everywhere in bf16
-        for variant in ("auto-fp32", "auto-bf16"):
-            bias, own = variants[variant]["param_bias"], variants[variant]["param_rel_err"]
-            assert set(bias) == set(own) and all(abs(bias[n]) <= own[n] * 1.01 + 1e-12 for n in own)
-        assert max(abs(b) for b in variants["auto-bf16"]["param_bias"].values()) > 1e-5
-    assert list(torch.load(tmp_path / "states.pt")) == [2]
-    assert any("accuracy" in e for e in result["log"])
-
-
 def test_patience_stops_a_flat_run_only_where_it_is_set(monkeypatch):
     """A run whose accuracy never rises (MQAR's plateau before recall appears) trains to the step
     cap when patience is off (the GPU settings), and stops after ``patience`` flat evaluations
@@ -557,27 +513,6 @@ def test_paired_summary_counts_the_seeds_each_implementation_wins():
     assert bench.paired_summary([run("hybridzoo", 0, 0.5)]) == []
 
 
-def test_grad_check_measures_the_reference_model_against_the_same_float64_gradient(tmp_path):
-    """``--impl reference`` trains the reference model (Llama attention runs on a CPU) and adds its
-    own paths: in float32 its gradient, mapped to hybridzoo's names, is the float64 gradient of
-    hybridzoo's model holding its weights to 1e-4; in bf16 it is measured, not copied."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, str(root / "scripts" / "mqar_grad_check.py"), "--setting", "cpu-smoke",
-                    "--recipe", "mqar-attn-s", "--impl", "reference", "--lr", "1e-2", "--steps", "3",
-                    "--max-steps", "12", "--check", "3", "--out", str(tmp_path)], check=True, capture_output=True,
-                   cwd=root)
-    result = json.loads((tmp_path / "grad_check.json").read_text())
-    assert result["meta"]["impl"] == "reference"
-    (entry,) = [e for e in result["log"] if "variants" in e]
-    variants = entry["variants"]
-    assert set(variants) == {"auto-bf16", "auto-fp32", "ref-bf16", "ref-fp32", "ref-fp64", "theirs-bf16", "theirs-fp32"}
-    assert variants["theirs-fp32"]["grad_rel_err"] < 1e-4
-    assert abs(variants["theirs-fp32"]["loss"] - variants["ref-fp64"]["loss"]) < 1e-5
-    assert 1e-4 < variants["theirs-bf16"]["grad_rel_err"] < 0.5
-
-
 def test_reference_weights_map_to_hybridzoo_names():
     """Under one seed both models hold the same weights: mapped to hybridzoo's names and shapes
     (fla's separate q/k/v of Gated DeltaNet concatenated, [C, 1, W] convolutions squeezed), the
@@ -597,34 +532,6 @@ def test_reference_weights_map_to_hybridzoo_names():
             assert torch.equal(mapped[name], value), (recipe, name)
     with pytest.raises(KeyError, match="no hybridzoo counterpart"):
         hybridzoo_tensors("gdn", {"blocks.0.mixer.layer.extra.weight": torch.zeros(1)}, ours)
-
-
-def test_cpu_mamba_wrapper_launches_each_tuned_kernel_at_its_first_candidate(monkeypatch):
-    """``scripts/mqar_grad_check_cpu_mamba.py``'s stand-in for ``triton.autotune``: the kernel runs
-    with the first candidate's settings (a later one would give another result here), after that
-    candidate's ``pre_hook``, and the tuner's attributes mamba_ssm reads are there."""
-    import runpy
-
-    import triton
-    import triton.language as tl
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the script sets it; restored after the test
-    wrapper = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "mqar_grad_check_cpu_mamba.py"),
-                             run_name="not_main")
-    hooked = []
-
-    @triton.jit
-    def fill(out_ptr, BLOCK: tl.constexpr):
-        offs = tl.arange(0, 8)
-        tl.store(out_ptr + offs, tl.full([8], BLOCK, tl.int32))
-
-    configs = [triton.Config({"BLOCK": 2}, pre_hook=lambda nargs: hooked.append(nargs["out_ptr"].shape)),
-               triton.Config({"BLOCK": 4})]
-    tuned = wrapper["_FirstConfig"](fill, configs)
-    out = torch.zeros(8, dtype=torch.int32)
-    tuned[(1,)](out)
-    assert out.tolist() == [2] * 8 and hooked == [(8,)]
-    assert tuned.best_config is configs[0] and tuned.configs is configs
 
 
 def test_dtype_fp32_tags_both_implementations_and_reaches_the_training_loop(tmp_path, monkeypatch):

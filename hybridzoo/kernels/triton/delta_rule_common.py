@@ -228,7 +228,7 @@ def prune_state_configs(configs: list, named_args: dict, **kwargs) -> list:
 
     The warps rule: at K = V = 64 in bf16 (``mqar-gdn-l``) the 8-warp candidates were first left
     out after a fault in the state kernels' autotuning on an H200 (Triton 3.6); forced one by
-    one there (``scripts/probe_state_configs.py``), 32-wide tiles with 8 warps gave wrong
+    one there (``scripts/probe_state_configs.py``, in git at ee446cb), 32-wide tiles with 8 warps gave wrong
     gradients and every other setting passed. The fault itself came back with the two 4-warp
     candidates (32 and 64 wide) and went away with the 64-wide floor (:func:`value_tile_floor`).
     """

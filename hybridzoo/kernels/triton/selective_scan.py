@@ -60,8 +60,8 @@ def _config(training: bool, block_n: int = 16) -> dict:
     A forward that will be differentiated stores the state entering every ``bwd_block_t`` tokens
     (:data:`BWD_BLOCK_T`, capped at its own ``block_t``), the backward's time block, which it
     restarts from; an inference-only forward picks its own block and stores nothing. GPU sizes:
-    the fastest measured on one H200 (``scripts/probe_scan_configs.py``, bf16, with D, z and a
-    softplus bias: ``benchmarks/results/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
+    the fastest measured on one H200 (``scripts/probe_scan_configs.py`` in git at ee446cb, bf16, with D, z and a
+    softplus bias: ``benchmarks/results/investigations/2026-12-03-probe-scan-configs-h200-5b0b482.jsonl``) at
     both B2 T16384 D2048 N16 (backward 10.57 ms at 4 channels on 1 warp) and Mamba-130m's B8
     T2048 D1536 N16 (4.02 ms). The training forward (8 channels on 1 warp) is pipelined over two
     stages (``fwd_stages``): 2.04 ms against 3.70 unpipelined at the first shape, 0.50 against
@@ -107,7 +107,7 @@ FWD_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in ((8, 1), (
 # The 4-wide 1-warp backward holds 255 registers a thread, so 8 programs share an SM. Capped at
 # BWD_MAXNREG (it then spills some 440 B), 12 do: faster where the grid fills several such waves
 # (B8 T2048 D1536: 3.40 against 3.97 ms), slower where it fills about one (B2 T16384 D2048: 12.15
-# against 10.42 ms; benchmarks/results/2026-12-03-probe-scan-variants-h200.jsonl). Both are
+# against 10.42 ms; benchmarks/results/investigations/2026-12-03-probe-scan-variants-h200.jsonl). Both are
 # candidates; with autotuning off, the cap is taken from BWD_CAP_WAVES waves of uncapped programs.
 BWD_MAXNREG, BWD_CAP_WAVES = 168, 2
 # One-warp backward programs an SM holds at once uncapped: 255 registers x 32 threads each, of the
@@ -154,8 +154,8 @@ def _prune(kind: str):
 # a smaller backward tile: compiled for sm_90 (Triton 3.7.1), the 4-wide 1-warp backward holds 167
 # registers a thread at 8 tokens against 255 at 16, so 12 programs share an SM instead of 8, for
 # the same instructions per element in its loop (77 against 76 warp instructions per 32 tile
-# elements). On an H200 (bf16, Triton 3.6; scripts/probe_scan_configs.py, two interleaved passes,
-# benchmarks/results/2026-12-04-probe-scan-bwd-variants-h200-8199a1d.jsonl) the backward took
+# elements). On an H200 (bf16, Triton 3.6; scripts/probe_scan_configs.py in git at ee446cb, two interleaved passes,
+# benchmarks/results/investigations/2026-12-04-probe-scan-bwd-variants-h200-8199a1d.jsonl) the backward took
 # 2.15 ms in 8-token blocks against 2.76 in 16 (2.95 capped) at Mamba-130m's B8 T2048 D1536 N16,
 # and 3.64 against 3.79 at its B2 T8192.
 BWD_BLOCK_T = 8
@@ -187,12 +187,12 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # a block with every version (3.6: 1,559 against 2,334; 3.7.1: 1,526 against 1,694; 3.9: 1,351
 # against 1,507) and fewer registers with 3.6 and 3.9 (243 against 249, 190 against 228), but with
 # 3.7.1 it holds 245 registers a thread instead of 186 (the pipelined next block's Δ, float32, on
-# every state lane). Timed on an H200 with Triton 3.6 (scripts/probe_scan_configs.py, fixed launch
-# settings, two interleaved passes, benchmarks/results/2026-12-04-probe-scan-dt-given-h200-1623309.jsonl):
+# every state lane). Timed on an H200 with Triton 3.6 (scripts/probe_scan_configs.py in git at ee446cb, fixed launch
+# settings, two interleaved passes, benchmarks/results/investigations/2026-12-04-probe-scan-dt-given-h200-1623309.jsonl):
 # the backward with Δ read took 1.61 against 2.14 ms at Mamba-130m's B8 T2048 D1536 N16 and 2.12
 # against 3.03 at B2 T8192 (loading a block ahead), the training forward 0.387 against 0.495 and
 # 0.858 against 1.032. In the whole mamba-130m training step (autotuning on, two interleaved
-# repetitions each, benchmarks/results/2026-12-04-models-mamba1-dt-given-ab-h200-090b17f.json) the
+# repetitions each, benchmarks/results/investigations/2026-12-04-models-mamba1-dt-given-ab-h200-090b17f.json) the
 # backward's gain holds at T 2048 (151k tokens/s against 144k without either) and is within the
 # spread at T 8192 (122k against 120k), but reading Δ in the forward as well made the step slower
 # (143k and 110k), against what the kernel alone showed. With the exp2 and folded-state loops
@@ -708,10 +708,10 @@ def _prefetched(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
 # and one scan more. It was meant for long sequences in small batches, where the grid is under one
 # wave of programs, but measured on an H200 it did not pay there: Mamba-130m's backward at B2 T8192
 # (768 programs, under one wave of 8 per SM) took 4.75 ms in 3 segments against 4.08 ms whole
-# (bf16, Triton 3.6, scripts/probe_scan_configs.py --segments;
-# benchmarks/results/2026-12-03-probe-scan-segments-h200-65b7fee.jsonl), and in 8-token blocks
+# (bf16, Triton 3.6, scripts/probe_scan_configs.py --segments in git at ee446cb;
+# benchmarks/results/investigations/2026-12-03-probe-scan-segments-h200-65b7fee.jsonl), and in 8-token blocks
 # loaded a block ahead 3.57 ms in 2 segments and 3.16 ms in 4 against 3.03 ms whole
-# (benchmarks/results/2026-12-04-probe-scan-bwd-segments-h200-ad41f79.jsonl). So every grid runs whole
+# (benchmarks/results/investigations/2026-12-04-probe-scan-bwd-segments-h200-ad41f79.jsonl). So every grid runs whole
 # unless SEGMENTS asks for more (tests force 2 to 5 against the float64 loop; probes time them).
 SEGMENTS = 1
 

@@ -8,12 +8,12 @@ counts; ``--pool`` adds a row over every pair shown.
 
 Where a median of 3 seeds at the best learning rate differs by a few hundredths, the pairs over
 every learning rate and seed say whether one implementation ends higher more often than chance
-would make it. Inputs as for ``scripts/mqar_takeoff.py``: results files of
+would make it. Inputs as for ``python -m benchmarks mqar_takeoff``: results files of
 :mod:`benchmarks.mqar` or folders of its run files. A seed run more than once on a side (a rerun)
 is left out of the pairs and counted as such; one run read twice (the same id, commit, steps and
 accuracy, as where a results file merged another) counts once.
 
-    python scripts/mqar_paired.py benchmarks/results/2026-12-03-mqar-gpu-3000-h200.json \\
+    python -m benchmarks mqar_paired benchmarks/results/2026-12-03-mqar-gpu-3000-h200.json \\
         --recipe mqar-gla-s,mqar-gdn-s
 """
 
@@ -27,9 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mqar_takeoff import load_runs, matches  # noqa: E402
+from benchmarks.mqar_takeoff import load_runs, matches
 
 
 def sign_test(higher: int, lower: int) -> float:

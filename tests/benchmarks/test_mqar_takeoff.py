@@ -1,13 +1,11 @@
-"""scripts/mqar_takeoff.py: take-off counts per group and Fisher's exact test."""
+"""``python -m benchmarks mqar_takeoff``: take-off counts per group and Fisher's exact test."""
 
 import json
 import math
 
 import pytest
 
-from tests.conftest import load_script
-
-takeoff = load_script("mqar_takeoff")
+from benchmarks import mqar_takeoff as takeoff
 
 
 def test_fisher_exact_matches_the_hypergeometric_tables_worked_by_hand():

@@ -1,13 +1,11 @@
-"""scripts/mqar_paired.py: hybridzoo and reference runs paired by recipe, rate, seed and variant."""
+"""``python -m benchmarks mqar_paired``: hybridzoo and reference runs paired by recipe, rate, seed and variant."""
 
 import json
 import math
 
 import pytest
 
-from tests.conftest import load_script
-
-paired = load_script("mqar_paired")
+from benchmarks import mqar_paired as paired
 
 
 def test_sign_test_matches_binomial_tails_worked_by_hand():

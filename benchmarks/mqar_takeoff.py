@@ -10,8 +10,8 @@ Inputs are results files of :mod:`benchmarks.mqar` (their ``runs``) or folders o
 files (``<name>-runs/*.json``), in any mix. Runs of one group may repeat a seed (a rerun); each
 run counts.
 
-    python scripts/mqar_takeoff.py benchmarks/results/2026-12-03-mqar-gpu-3000-h200.json \\
-        benchmarks/results/2026-12-04-mqar-mamba2-s-bisect-h200.json --recipe mqar-mamba2-s --lr 0.01
+    python -m benchmarks mqar_takeoff benchmarks/results/2026-12-03-mqar-gpu-3000-h200.json \\
+        benchmarks/results/investigations/2026-12-04-mqar-mamba2-s-bisect-h200.json --recipe mqar-mamba2-s --lr 0.01
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.mqar_report import counted  # noqa: E402
+from benchmarks.mqar_report import counted
 
 
 def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
