@@ -168,7 +168,7 @@ class ParamSummary(RichModelSummary):
             get_formatted_model_size,
             get_human_readable_count,
         )
-        from rich import get_console
+        from rich.console import Console
         from rich.table import Table
 
         columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
@@ -178,7 +178,7 @@ class ParamSummary(RichModelSummary):
                              style="dim" if index == 0 else None)
         for row in zip(*(values for _, values in columns)):
             table.add_row(*row)
-        console = get_console()
+        console = Console()  # not Rich's global console, which a progress bar may have pointed elsewhere
         console.print(table)
         grid = Table.grid(expand=True)
         grid.add_column()

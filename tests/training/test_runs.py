@@ -44,6 +44,13 @@ def test_a_new_run_refuses_an_existing_one_resume_continues_and_overwrite_starts
                                         for line in step_lines)
     assert "Total params" in out and "FLOPs" not in out and "v_num" not in out + err
     assert _history(root) == [0, 2]
+    # hybridzoo eval given the weights file evaluates its folder (the same held-out split)
+    results = []
+    for target in (root / "export", root / "export" / "model.safetensors"):
+        code, out, err = _run(["eval", target, "--json", "--max-batches", "1"], capsys)
+        assert code == 0, err
+        results.append({k: v for k, v in json.loads(out).items() if k != "tokens_per_s"})
+    assert results[0] == results[1] and results[0]["checkpoint"] == str(root / "export")
 
     # the same command again: refused in one line, nothing written
     before = snapshot(root)
