@@ -45,7 +45,7 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from hybridzoo.cli_errors import user_error_exit, user_errors
-from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond
+from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond, check_export_dir
 from hybridzoo.training.data import TextDataModule  # imported: short class_path names resolve
 from hybridzoo.training.module import LanguageModel
 from hybridzoo.training.progress import LogLines, ParamSummary, StepProgressBar, fit_summary
@@ -131,9 +131,12 @@ class HybridLightningCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
-        if self.subcommand == "fit" and not config.get("ckpt_path") and not config.get("overwrite"):
-            refuse_to_overwrite(self.trainer, self.export_callback())
         export = self.export_callback()
+        if self.subcommand == "fit":
+            if export is not None:  # a folder of other files, which the export would replace
+                check_export_dir(export.export_dir(self.trainer))
+            if not config.get("ckpt_path") and not config.get("overwrite"):
+                refuse_to_overwrite(self.trainer, export)
         if export is not None:
             data = config.get("data")
             export.data_config = _plain(data) if data is not None else None

@@ -87,6 +87,13 @@ def test_checkpoints_alone_are_a_run_too(tmp_path, capsys):
     code, _, err = _run(["fit", "--config", recipe, *NO_SUMMARY], capsys)
     assert code == 2 and "already holds a run (1 checkpoint)" in err
     assert snapshot(root) == before
+    # an export folder that holds other files is refused up front, even with --overwrite true
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("my notes")
+    code, _, err = _run(["fit", "--config", recipe, "--overwrite", "true", "--export.dirpath", tmp_path / "mine",
+                         *NO_SUMMARY], capsys)
+    assert code == 2 and "not an export" in err and "--export.dirpath" in err
+    assert snapshot(root) == before and (tmp_path / "mine" / "notes.md").read_text() == "my notes"
 
 
 def test_an_export_dir_holding_other_files_is_refused(tmp_path):
