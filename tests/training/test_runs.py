@@ -69,6 +69,12 @@ def test_a_new_run_refuses_an_existing_one_resume_continues_and_overwrite_starts
     assert "held-out loss:" in out and "(step 0) ->" in out and "(step 4), 3 validations" in out
     assert _history(root) == [0, 2, 4]
     assert json.loads((root / "export" / "training.json").read_text())["global_step"] == 4
+    # resuming the finished run: no step, said so, and the export keeps its whole history
+    code, out, err = _run(["fit", "--config", recipe, "--ckpt_path", "last", "--trainer.max_steps", "4",
+                           *NO_SUMMARY], capsys)
+    assert code == 0, err
+    assert "hybridzoo fit: 0 steps in " in out and "max_steps 4 was already reached" in out
+    assert _history(root) == [0, 2, 4]
 
     # asked for: a new run over the old one
     code, out, err = _run(["fit", "--config", recipe, "--overwrite", "true", *NO_SUMMARY], capsys)
