@@ -18,7 +18,13 @@ What this adds to a plain LightningCLI:
   into ``<trainer.default_root_dir>/export``.
 - ``--ckpt_path last`` finds the newest ``*.ckpt`` under ``trainer.default_root_dir`` (Lightning
   alone looks only in the new run's own version folder, where there is none yet).
-- At the end of fit: the first and last held-out loss and where the export is.
+- A new run (no ``--ckpt_path``) into a ``trainer.default_root_dir`` that already holds an export
+  or checkpoints is refused before anything is written, unless ``--overwrite true``.
+- Progress: the Rich bar on a terminal, else (a log file) a plain line every
+  ``--progress.every_n_steps`` steps (default 10% of the run, at most 50); ``--progress.plain``
+  forces either.
+- At the end of fit: the steps this invocation ran (and the total after a resume), its wall time,
+  the held-out loss history (kept in the checkpoints across restarts) and where the export is.
 - Bad input (an unknown key or mixer, a missing data path, ...) ends with one clear error
   line and exit status 2, before anything is written.
 """
@@ -31,16 +37,18 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from hybridzoo.cli_errors import user_error_exit, user_errors
-from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond
+from hybridzoo.training.callbacks import ExportCallback, TokensPerSecond, check_export_dir
 from hybridzoo.training.data import TextDataModule  # imported: short class_path names resolve
 from hybridzoo.training.module import LanguageModel
+from hybridzoo.training.progress import LogLines, ParamSummary, StepProgressBar, fit_summary
 
 # Lightning notices that say nothing about the user's run
 _QUIET = (
@@ -52,20 +60,6 @@ _QUIET = (
     r".*Checkpoint directory .* exists and is not empty.*",
     r".*The dirpath has changed from .* won't be reloaded.*",  # resuming into a new version folder
 )
-
-
-class StepProgressBar(RichProgressBar):
-    """Rich progress bar that shows ``step N/max_steps`` when training is bounded by steps
-    (Lightning's own shows ``Epoch 0/-2`` when ``max_epochs`` is -1)."""
-
-    def _get_train_description(self, current_epoch: int) -> str:
-        trainer = self.trainer
-        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-            return super()._get_train_description(current_epoch)
-        description = f"Epoch {current_epoch}"
-        if trainer.max_steps and trainer.max_steps > 0:
-            description += f" (max_steps {trainer.max_steps})"
-        return description
 
 
 class HybridLightningCLI(LightningCLI):
@@ -90,6 +84,13 @@ class HybridLightningCLI(LightningCLI):
     # ---- parser ---------------------------------------------------------------------------
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ExportCallback, "export")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="fit: start a new run even where trainer.default_root_dir already holds an "
+                                 "export or checkpoints (the export is replaced)")
+        parser.add_argument("--progress.plain", type=Optional[bool], default=None,
+                            help="plain log lines instead of the progress bar; null = when stdout is not a terminal")
+        parser.add_argument("--progress.every_n_steps", type=Optional[int], default=None,
+                            help="steps between plain log lines; null = 10%% of the run, at most 50")
         parser.set_defaults({
             "trainer.precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "trainer.gradient_clip_val": 1.0,
@@ -112,19 +113,32 @@ class HybridLightningCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
+        progress = self._get(self.config_init, "progress", default=None) or {}
         callbacks = trainer_config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        if trainer_config.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(StepProgressBar())
         if not any(isinstance(c, TokensPerSecond) for c in callbacks):
             callbacks.append(TokensPerSecond())
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in callbacks):
+            plain = progress.get("plain")
+            if plain is None:
+                plain = not sys.stdout.isatty()  # a log file: the Rich bar would print only at the end
+            callbacks.append(LogLines(progress.get("every_n_steps")) if plain else StepProgressBar())
+        if trainer_config.get("enable_model_summary") is not False and not any(
+                isinstance(c, ModelSummary) for c in callbacks):
+            callbacks.append(ParamSummary())
         return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
 
     def after_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
         export = self.export_callback()
+        if self.subcommand == "fit":
+            if export is not None:  # a folder of other files, which the export would replace
+                check_export_dir(export.export_dir(self.trainer))
+            if not config.get("ckpt_path") and not config.get("overwrite"):
+                refuse_to_overwrite(self.trainer, export)
         if export is not None:
-            data = self.config.get(str(self.subcommand), self.config).get("data")
+            data = config.get("data")
             export.data_config = _plain(data) if data is not None else None
 
     def export_callback(self) -> ExportCallback | None:
@@ -135,16 +149,39 @@ class HybridLightningCLI(LightningCLI):
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
             return
-        history = getattr(self.model, "val_history", [])
-        seconds = time.perf_counter() - self.started
-        print(f"\nhybridzoo fit: {self.trainer.global_step} steps in {seconds:.0f} s")
-        if history:
-            (first_step, first), (last_step, last) = history[0], history[-1]
-            print(f"held-out loss: {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})")
+        lines = fit_summary(getattr(self.model, "start_step", 0), self.trainer.global_step,
+                            time.perf_counter() - self.started, getattr(self.model, "val_history", []),
+                            self.trainer.max_steps)
+        print("\n" + "\n".join(lines))
         export = self.export_callback()
         if export is not None and export.last_export is not None:
             print(f"export: {export.last_export}  (hybridzoo eval {export.last_export}; "
                   f"hybridzoo generate {export.last_export} --prompt ...)")
+
+
+class RunExistsError(ValueError):
+    """``hybridzoo fit`` would start a new run over an existing run's export or checkpoints."""
+
+
+def refuse_to_overwrite(trainer: L.Trainer, export: ExportCallback | None) -> None:
+    """Raise :class:`RunExistsError` when a new run (no ``--ckpt_path``, no ``--overwrite``) would
+    write where a run already left an export or Lightning checkpoints: the export directory, the
+    ``*.ckpt`` files under ``trainer.default_root_dir`` (four folders deep, where Lightning's
+    loggers put them) or in a ModelCheckpoint's own ``dirpath``."""
+    root = Path(trainer.default_root_dir)
+    found = []
+    if export is not None:
+        directory = export.export_dir(trainer)
+        if directory.is_dir() and any(directory.iterdir()):
+            found.append(f"an export in {directory}")
+    places = [root] + [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    checkpoints = {p for place in places for depth in range(5) for p in place.glob("*/" * depth + "*.ckpt")}
+    if checkpoints:
+        found.append(f"{len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''}")
+    if found:
+        raise RunExistsError(f"{root} already holds a run ({' and '.join(found)}); a new run would overwrite it: "
+                             f"resume it with --ckpt_path last, start over with --overwrite true, or train "
+                             f"elsewhere with --trainer.default_root_dir DIR")
 
 
 def find_last_checkpoint(root: Path) -> Path | None:
@@ -199,8 +236,10 @@ def resolve_configs(argv: list[str]) -> list[str]:
 
 
 class _NoTips(logging.Filter):
+    NOTICES = ("💡 Tip", "Trainer already configured with model summary callbacks")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
+        return not str(record.msg).startswith(self.NOTICES)
 
 
 def quiet_lightning() -> None:

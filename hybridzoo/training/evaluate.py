@@ -21,6 +21,7 @@ import torch
 from hybridzoo.cli_errors import user_error_exit, user_errors
 from hybridzoo.training.callbacks import TRAINING_NAME
 from hybridzoo.training.tokenizers import has_tokenizer
+from hybridzoo.zoo.checkpoint import checkpoint_dir
 
 TEXT_DATA = "hybridzoo.training.data.TextDataModule"
 
@@ -83,6 +84,7 @@ def evaluate(directory: str | Path, data: list[str] | None = None, max_batches: 
     """
     from hybridzoo.training.module import bytes_per_token_of, validation_metrics, validation_sums
 
+    directory = checkpoint_dir(directory)  # the folder, also when given its model.safetensors / config.json
     model = load_model(directory, device)
     datamodule = data_module_for(directory, model.config, data, batch_size)
     if getattr(datamodule, "vocab_size", None) not in (None, model.config.vocab_size):
@@ -142,6 +144,7 @@ def generate_text(directory: str | Path, prompt: str, max_new_tokens: int = 200,
     Returns ``{"prompt", "completion", "new_tokens", "tokens_per_s"}`` (tokens/s of the whole
     generate call: prefill and decoding).
     """
+    directory = checkpoint_dir(directory)
     model = load_model(directory, device)
     tokenizer = tokenizer_for(directory, model.config)
     ids = tokenizer.encode(prompt)

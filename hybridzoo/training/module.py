@@ -100,7 +100,9 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters({"config": config.to_dict(), "learning_rate": learning_rate,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "betas": list(self.betas)})
-        self.val_history: list[tuple[int, float]] = []  # (global step, val loss) of each run
+        # (global step, val loss) of each validation, restored from the checkpoint on resume
+        self.val_history: list[tuple[int, float]] = []
+        self.start_step = 0
         self._val_sums: torch.Tensor | None = None
 
     # ---- setup --------------------------------------------------------------------------
@@ -110,6 +112,9 @@ class LanguageModel(L.LightningModule):
         if vocab is not None and int(vocab) != self.config.vocab_size:
             raise ValueError(f"the data has vocab_size {vocab} but the model config has vocab_size "
                              f"{self.config.vocab_size}; set model.config.vocab_size to {vocab}")
+
+    def on_train_start(self) -> None:
+        self.start_step = self.global_step  # where this invocation starts (a resumed run: not 0)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **documents):
         return self.model(input_ids, labels=labels, **documents)
@@ -140,11 +145,23 @@ class LanguageModel(L.LightningModule):
         if sums[1] == 0:
             return
         values = validation_metrics(sums, bytes_per_token_of(getattr(self.trainer, "datamodule", None)))
+        if self.val_history and self.val_history[-1][0] == self.global_step:
+            self.val_history.pop()  # the same step again (the sanity check of a resumed run)
         self.val_history.append((self.global_step, values["loss"]))
         metrics = {_LOGGED_NAMES[name]: value for name, value in values.items()}
         if not self.trainer.sanity_checking:  # Lightning drops what is logged during the sanity check
             self.log("val/loss", metrics.pop("val/loss"), prog_bar=True)
             self.log_dict(metrics)
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The held-out loss history goes into every Lightning checkpoint, so that a resumed run
+        reports (and exports) the whole history, from before the restart too."""
+        checkpoint[VAL_HISTORY_KEY] = [[int(step), float(loss)] for step, loss in self.val_history]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.val_history = [(int(step), float(loss)) for step, loss in checkpoint.get(VAL_HISTORY_KEY, [])]
+        self.start_step = int(checkpoint.get("global_step", 0))  # also when no step is left to run
 
     # ---- optimizer ----------------------------------------------------------------------
     def configure_optimizers(self):
@@ -177,6 +194,9 @@ def documents_of(batch: dict) -> dict:
     ``cu_seqlens`` where the batch has them (nothing for a batch of plain rows)."""
     return {key: batch[key] for key in ("position_ids", "cu_seqlens") if batch.get(key) is not None}
 
+
+# where LanguageModel keeps val_history in a Lightning checkpoint
+VAL_HISTORY_KEY = "hybridzoo_val_history"
 
 # the names LanguageModel logs the metrics of validation_metrics under
 _LOGGED_NAMES = {"loss": "val/loss", "perplexity": "val/ppl", "accuracy": "val/acc", "bits_per_byte": "val/bpb"}

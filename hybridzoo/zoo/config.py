@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,20 +137,48 @@ class HybridConfig:
         return _build(cls, merged, "HybridConfig")
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2)
+        """Strict JSON (no ``Infinity`` / ``NaN`` literals): a non-finite float is written as the
+        string ``"inf"``, ``"-inf"`` or ``"nan"``, which :meth:`from_json` reads back as the float."""
+        text = json.dumps(finite_json(self.to_dict()), indent=2, allow_nan=False)
         if path is not None:
             Path(path).write_text(text + "\n")
         return text
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HybridConfig":
+        """Read a file written by :meth:`to_json`. Files of older hybridzoo versions, which wrote
+        infinity as the non-standard literal ``Infinity``, are read with a warning to re-save them;
+        any other non-standard JSON (``NaN``, duplicate keys, comments, ...) is a ConfigError."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no config file at {path}")
+        literals = []
+
+        def constant(name: str) -> float:
+            if name == "NaN":
+                raise ConfigError(f"{path} is not standard JSON: it holds the literal NaN "
+                                  f"(write a non-finite number as the string \"nan\", \"inf\" or \"-inf\")")
+            literals.append(name)
+            return float(name.replace("Infinity", "inf"))
+
+        def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [key for key, _ in pairs]
+            repeated = sorted({key for key in keys if keys.count(key) > 1})
+            if repeated:
+                raise ConfigError(f"{path} is not valid: the key(s) {repeated} appear more than once in one object")
+            return dict(pairs)
+
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"), parse_constant=constant,
+                              object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path} is not valid JSON: {error}") from error
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path} is not UTF-8 text (JSON): {error}") from error
+        if literals:
+            warnings.warn(f"{path} holds the non-standard JSON literal {literals[0]} (written by an older "
+                          f"hybridzoo); read as a float. Re-save the checkpoint (save_pretrained) to write "
+                          f"strict JSON", UserWarning, stacklevel=2)
         return cls.from_dict(data)
 
     def to_yaml(self) -> str:
@@ -175,17 +205,36 @@ def _build(cls: type, data: dict[str, Any], where: str):
     for f in dataclasses.fields(cls):  # JSON / YAML give lists where the dataclass keeps tuples
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = data.get(f.name)
-        if isinstance(default, tuple) and isinstance(value, list):
-            data[f.name] = tuple(value)
+        if isinstance(default, tuple) and isinstance(value, (list, tuple)):
+            # a float in a tuple of floats may be written "inf" (strict JSON has no infinity)
+            data[f.name] = tuple(_number(v, f"{where}.{f.name}") if isinstance(d, float) and isinstance(v, str) else v
+                                 for d, v in zip(default, value)) + tuple(value[len(default):])
         elif isinstance(default, float) and isinstance(value, str):
             # PyYAML reads "1e-5" (no dot) as a string: accept it as the float it means
-            try:
-                data[f.name] = float(value)
-            except ValueError:
-                raise ConfigError(f"{where}.{f.name} must be a number, got {value!r}") from None
+            data[f.name] = _number(value, f"{where}.{f.name}")
     try:
         return cls(**data)
     except ConfigError:
         raise
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{where}: {error}") from error
+
+
+def _number(value: str, where: str) -> float:
+    """A float written as a string: ``"1e-5"`` (PyYAML reads it so), ``"inf"``, ``"-inf"``, ``"nan"``."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{where} must be a number, got {value!r}") from None
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by the string ``"inf"``, ``"-inf"`` or
+    ``"nan"`` (strict JSON has no literal for them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # 'inf', '-inf', 'nan'
+    if isinstance(value, dict):
+        return {key: finite_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

@@ -190,10 +190,15 @@ class HybridLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: torch.device | str | None = None,
-                        dtype: torch.dtype | None = None) -> "HybridLM":
+                        dtype: torch.dtype | None = None, dtype_cast: bool = False) -> "HybridLM":
+        """Load ``directory`` (or its ``model.safetensors`` / ``config.json``) written by
+        :meth:`save_pretrained`. The model is float32 (or ``dtype``); float weights saved in any
+        float dtype load into it (bf16 / fp16 widen exactly); a tensor of another kind (int32 where a float
+        weight is expected, ...) is an error unless ``dtype_cast=True``. See
+        :func:`hybridzoo.zoo.checkpoint.load_pretrained`."""
         from hybridzoo.zoo.checkpoint import load_pretrained
 
-        return load_pretrained(cls, directory, device=device, dtype=dtype)
+        return load_pretrained(cls, directory, device=device, dtype=dtype, dtype_cast=dtype_cast)
 
     @classmethod
     def from_recipe(cls, name_or_path: str | Path, **overrides: Any) -> "HybridLM":

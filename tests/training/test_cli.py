@@ -211,7 +211,7 @@ def test_bad_fit_input_is_a_clear_error(case, tmp_path, previous_run, capsys):
     elif case == "unknown mixer":
         model["config"]["layers"] = "gdn lstm"
     recipe = write_recipe(tmp_path, previous_run, corpus, model=model)
-    args = ["fit", "--config", recipe, *QUIET]
+    args = ["fit", "--config", recipe, "--overwrite", "true", *QUIET]  # even when allowed to overwrite
     expected = {
         "missing path": "does not exist", "empty file": "holds no text", "seq_len too long": "seq_len",
         "unknown key": "bogus", "unknown mixer": "unknown mixer kind", "unknown recipe": "no-such-recipe",

@@ -8,6 +8,10 @@ import csv
 import io
 import json
 import math
+import os
+import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from hybridzoo import HybridLM
 from hybridzoo.cli import main
 from hybridzoo.training.callbacks import ExportCallback
-from tests.training.test_cli import QUIET, TINY_MODEL, write_corpus, write_recipe
+from tests.training.test_cli import QUIET, ROOT, TINY_MODEL, write_corpus, write_recipe
 from tests.zoo.tiny import tiny_config
 
 MAX_STEPS, SEQ_LEN, BATCH = 3, 16, 4
@@ -166,7 +170,7 @@ def test_rich_progress_bar_renders_steps_loss_and_tokens_per_second():
     import lightning as L
 
     from hybridzoo.training.callbacks import TokensPerSecond
-    from hybridzoo.training.cli import StepProgressBar
+    from hybridzoo.training.progress import StepProgressBar
     from hybridzoo.training.module import LanguageModel
     from tests.training.test_module import _Data
 
@@ -251,6 +255,8 @@ class _Clock:
 
 
 def test_tokens_per_second_counts_every_rank_and_skips_validation_time(monkeypatch):
+    """The logger gets each step's rate; the bar gets the rate over the last ``window`` steps
+    (their tokens over their seconds), not the last step's."""
     from hybridzoo.training import callbacks
     from hybridzoo.training.callbacks import TokensPerSecond
 
@@ -258,7 +264,8 @@ def test_tokens_per_second_counts_every_rank_and_skips_validation_time(monkeypat
     module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value, kwargs)))
     trainer = SimpleNamespace(world_size=2)
     batch = {"input_ids": torch.zeros(3, 5, dtype=torch.long)}
-    meter = TokensPerSecond()
+    meter = TokensPerSecond(window=2)
+    assert meter.smoothed_rate() is None
     monkeypatch.setattr(callbacks.time, "perf_counter", _Clock(10.0, 12.0, 13.0, 100.0, 104.0, 104.0))
     meter.on_train_batch_start(trainer, module, batch, 0)    # 10: the clock starts
     meter.on_train_batch_end(trainer, module, None, batch, 0)  # 12: 3 x 5 tokens x 2 ranks in 2 s
@@ -271,8 +278,134 @@ def test_tokens_per_second_counts_every_rank_and_skips_validation_time(monkeypat
     meter.on_train_batch_start(trainer, module, batch, 3)
     meter.on_train_batch_end(trainer, module, None, batch, 3)  # 104: no time passed, nothing logged
     rates = [(name, value) for name, value, _ in logged]
+    # the bar: 30 tokens / 2 s; then (30 + 30) / (2 + 1); then the window drops the first step: 60 / (1 + 4)
     assert rates == [("train/tokens_per_s", 15.0), ("tok/s", 15.0), ("train/tokens_per_s", 30.0),
-                     ("tok/s", 30.0), ("train/tokens_per_s", 7.5), ("tok/s", 7.5)]
+                     ("tok/s", 20.0), ("train/tokens_per_s", 7.5), ("tok/s", 12.0)]
+    assert meter.smoothed_rate() == 12.0
     logger_kwargs, bar_kwargs = logged[0][2], logged[1][2]
     assert logger_kwargs == {"on_step": True, "on_epoch": False, "batch_size": 3}
     assert bar_kwargs == {"prog_bar": True, "logger": False, "on_step": True, "on_epoch": False, "batch_size": 3}
+
+
+# ---- an export is one unit, written once per checkpoint ----------------------------------------
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_a_failure_between_the_writes_leaves_the_old_export_whole(tmp_path, monkeypatch):
+    """The weights of the new export are written, then writing training.json fails: the export
+    directory still holds the old export, all of it, and no temporary folder is left."""
+    from hybridzoo.training import callbacks
+
+    torch.manual_seed(0)
+    old, new = HybridLM(tiny_config("gdn attn")), HybridLM(tiny_config("gdn attn"))
+    ExportCallback().export(*_fake_run(tmp_path, old, 1))
+    before = _files(tmp_path / "export")
+    real = callbacks.replace_directory
+
+    def fail_at_training_json(directory, writers):
+        def failing(path):
+            assert (path.parent / "model.safetensors").is_file()  # the new weights are written
+            raise OSError("disk full (simulated)")
+        return real(directory, {**writers, "training.json": failing})
+
+    monkeypatch.setattr(callbacks, "replace_directory", fail_at_training_json)
+    with pytest.raises(OSError, match="simulated"):
+        ExportCallback().export(*_fake_run(tmp_path, new, 2))
+    assert _files(tmp_path / "export") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no .export.partial
+
+
+KILL_BETWEEN_RENAMES = """
+import os, sys
+from pathlib import Path
+from hybridzoo.zoo.checkpoint import replace_directory
+
+real = Path.rename
+def rename(self, target):  # the old export goes aside, then the process dies: kill -9 at the worst point
+    real(self, target)
+    if Path(target).name == ".export.old":
+        os._exit(9)
+Path.rename = rename
+names = ("model.safetensors", "config.json", "training.json")
+replace_directory(Path(sys.argv[1]) / "export", {name: lambda p: p.write_text("new") for name in names})
+"""
+
+
+def test_a_kill_between_the_renames_loses_nothing(tmp_path):
+    """A process killed after moving the old export aside and before renaming the new one in
+    leaves the old export complete as .export.old; loading says where it is, and the next
+    export puts it back, writes the new one and leaves no temporary folder."""
+    from hybridzoo.zoo import CheckpointError
+
+    torch.manual_seed(0)
+    old = HybridLM(tiny_config("gdn attn"))
+    ExportCallback().export(*_fake_run(tmp_path, old, 1))
+    before = _files(tmp_path / "export")
+    run = subprocess.run([sys.executable, "-c", KILL_BETWEEN_RENAMES, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 9, run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.old", ".export.partial"]
+    assert _files(tmp_path / ".export.old") == before  # the old export, whole
+    assert _files(tmp_path / ".export.partial") == dict.fromkeys(before, b"new")  # the new one, whole too
+    with pytest.raises(CheckpointError, match=r"\.export\.old: rename it to"):
+        HybridLM.from_pretrained(tmp_path / "export")
+    new = HybridLM(tiny_config("gdn attn"))
+    ExportCallback().export(*_fake_run(tmp_path, new, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    loaded = HybridLM.from_pretrained(tmp_path / "export").state_dict()
+    assert all(torch.equal(t, loaded[n]) for n, t in new.state_dict().items())
+
+
+def test_an_export_is_written_once_per_checkpoint_with_save_last(tmp_path, monkeypatch):
+    """ModelCheckpoint(save_last=True) saves every checkpoint twice (the top-k file, then
+    last.ckpt): the export is written once per step all the same."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hybridzoo.training import callbacks
+    from hybridzoo.training.module import LanguageModel
+    from tests.training.test_module import _Data
+
+    real, writes, saves = callbacks.replace_directory, [], []
+    monkeypatch.setattr(callbacks, "replace_directory", lambda d, w: (writes.append(Path(d)), real(d, w)))
+
+    class CountSaves(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            saves.append(trainer.global_step)
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True),
+                                   ExportCallback(), CountSaves()])
+    trainer.fit(LanguageModel(tiny_config("gdn attn")), datamodule=_Data())
+    assert saves == [1, 1, 2, 2]  # Lightning: two saves per checkpoint
+    assert writes == [tmp_path / "export"] * 2  # one export per step (and none more at the end of fit)
+    assert json.loads((tmp_path / "export" / "training.json").read_text())["global_step"] == 2
+
+
+def test_exported_files_have_the_same_permissions_and_strict_json(tmp_path):
+    """model.safetensors gets the permissions of the other files (0644 under umask 022; the
+    safetensors library writes 0600); training.json is strict JSON even for a diverged loss."""
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("mamba2 attn"))  # Mamba-2's time_step_limit holds an infinity
+    previous = os.umask(0o022)
+    try:
+        trainer, module = _fake_run(tmp_path, model, 1)
+        module.val_history = [(0, float("nan")), (1, float("inf"))]
+        ExportCallback().export(trainer, module)
+        model.save_pretrained(tmp_path / "saved")
+    finally:
+        os.umask(previous)
+    for directory in (tmp_path / "export", tmp_path / "saved"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+        assert set(modes.values()) == {0o644}, modes
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON literal {name}")
+
+    for path in (tmp_path / "export" / "training.json", tmp_path / "export" / "config.json"):
+        json.loads(path.read_text(), parse_constant=refuse)
+    info = json.loads((tmp_path / "export" / "training.json").read_text())
+    assert info["val_history"] == [{"step": 0, "loss": "nan"}, {"step": 1, "loss": "inf"}]

@@ -1,6 +1,7 @@
 """save_pretrained / from_pretrained: safetensors, bit-exact, and clear errors."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -166,3 +167,94 @@ def test_a_rename_failing_half_way_removes_every_temporary_file(tmp_path, monkey
         write_atomically(tmp_path, {"a.bin": lambda p: p.write_bytes(b"new a"),
                                     "b.bin": lambda p: p.write_bytes(b"new b")})
     assert _files(tmp_path) == {"a.bin": b"new a", "b.bin": b"old b"}
+
+
+# ---- loading: dtypes, strict JSON, a file instead of its folder -----------------------------------
+def _rewrite_tensor(directory, name, change):
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, path)
+
+
+def test_an_integer_tensor_where_a_float_weight_is_expected_is_an_error_unless_cast(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("mamba2 attn"))
+    model.save_pretrained(tmp_path)
+    name = next(n for n in model.state_dict() if n.endswith("A_log"))
+    _rewrite_tensor(tmp_path, name, lambda t: t.to(torch.int32))  # A_log ~ [0.4, 2.7] -> whole numbers
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as int32, the model expects float32.*"
+                                              r"dtype_cast=True"):
+        HybridLM.from_pretrained(tmp_path)
+    loaded = HybridLM.from_pretrained(tmp_path, dtype_cast=True)  # asked for: cast
+    assert torch.equal(loaded.state_dict()[name], model.state_dict()[name].to(torch.int32).float())
+
+
+def test_a_model_saved_in_bf16_loads_exactly_in_float32_or_bf16(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("gdn attn")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    widened = HybridLM.from_pretrained(tmp_path)
+    as_saved = HybridLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, tensor in model.state_dict().items():
+        assert widened.state_dict()[name].dtype == torch.float32
+        assert torch.equal(widened.state_dict()[name], tensor.float()), name  # bf16 -> float32 is exact
+        assert as_saved.state_dict()[name].dtype == torch.bfloat16
+        assert torch.equal(as_saved.state_dict()[name], tensor), name
+
+
+def test_a_float64_file_loaded_as_float64_stays_exact(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("gdn attn")).double()
+    with torch.no_grad():
+        model.norm.weight.add_(1e-12)  # not representable in float32
+    model.save_pretrained(tmp_path)
+    loaded = HybridLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert torch.equal(loaded.norm.weight, model.norm.weight)
+
+
+def _no_constants(name):
+    raise AssertionError(f"non-standard JSON literal {name}")
+
+
+def test_config_json_is_strict_json_and_infinity_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("mamba2 attn"))
+    assert model.config.mamba2.time_step_limit == (0.0, float("inf"))
+    model.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text, parse_constant=_no_constants)["mamba2"]["time_step_limit"] == [0.0, "inf"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a strict file loads without a warning
+        assert HybridLM.from_pretrained(tmp_path).config == model.config
+
+
+def test_an_old_config_with_infinity_loads_with_a_warning_and_nan_or_duplicates_are_refused(tmp_path):
+    torch.manual_seed(0)
+    model = HybridLM(tiny_config("mamba2 attn"))
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    strict = path.read_text()
+    path.write_text(strict.replace('"inf"', "Infinity"))  # what earlier versions wrote
+    with pytest.warns(UserWarning, match=r"config.json holds the non-standard JSON literal Infinity.*Re-save"):
+        assert HybridLM.from_pretrained(tmp_path).config == model.config
+    path.write_text(strict.replace('"norm_eps": 1e-06', '"norm_eps": NaN'))
+    assert "NaN" in path.read_text()
+    with pytest.raises(CheckpointError, match=r"config.json is not standard JSON: it holds the literal NaN"):
+        HybridLM.from_pretrained(tmp_path)
+    path.write_text(strict.replace('"d_model":', '"d_model": 8, "d_model":', 1))
+    with pytest.raises(CheckpointError, match=r"config.json is not valid: the key\(s\) \['d_model'\] appear more"):
+        HybridLM.from_pretrained(tmp_path)
+
+
+def test_the_weights_or_config_file_stand_for_their_folder(model, tmp_path):
+    model.save_pretrained(tmp_path / "ckpt")
+    for name in ("model.safetensors", "config.json"):
+        loaded = HybridLM.from_pretrained(tmp_path / "ckpt" / name)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    (tmp_path / "ckpt" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"notes.txt is a file; a checkpoint is the directory .*ckpt\)"):
+        HybridLM.from_pretrained(tmp_path / "ckpt" / "notes.txt")
