@@ -2,7 +2,9 @@
 
 Serialises to JSON / YAML (``to_dict`` / ``from_dict``) and validates itself with clear
 errors. The layer sequence is a pattern of mixer kinds, e.g. ``"gdn gdn gdn attn"``,
-repeated (and cut) to ``n_layers``; each mixer kind has one settings block (``cfg.gdn``,
+repeated to ``n_layers`` (the last repetition is cut short when ``n_layers`` is not a multiple of
+the pattern's length; a pattern longer than ``n_layers`` is an error, since some of its layers
+would never be built); each mixer kind has one settings block (``cfg.gdn``,
 ``cfg.attn``, ...) shared by all layers of that kind.
 """
 
@@ -41,7 +43,9 @@ class HybridConfig:
         d_model: width of the residual stream.
         n_layers: number of blocks.
         layers: the mixer pattern, a string of kinds (``"gdn gdn gdn attn"``) or a list,
-            repeated and cut to ``n_layers``. Kinds: mamba1, mamba2, gla, retnet, gdn, attn.
+            repeated to ``n_layers`` (the last repetition cut short if ``n_layers`` is not a
+            multiple of its length); at most ``n_layers`` kinds long. Kinds: mamba1, mamba2, gla,
+            retnet, gdn, attn.
         d_mlp: hidden width of each block's SwiGLU MLP; 0 = no MLP (pure Mamba stacks);
             None = ``8/3 · d_model`` rounded up to a multiple of 64.
         norm_eps: epsilon of every RMSNorm of the model.
@@ -110,6 +114,12 @@ class HybridConfig:
         if unknown:
             raise ConfigError(f"HybridConfig.layers: unknown mixer kind(s) {unknown}; "
                               f"choose from {list(MIXER_CONFIGS)}")
+        if len(self.pattern) > self.n_layers:
+            pattern = self.pattern
+            raise ConfigError(f"HybridConfig.layers has {len(pattern)} mixer kinds ({' '.join(pattern)}) but "
+                              f"n_layers is {self.n_layers}: the last {len(pattern) - self.n_layers} "
+                              f"({' '.join(pattern[self.n_layers:])}) would never be built. Set n_layers to "
+                              f"{len(pattern)} (or a multiple of it), or give at most {self.n_layers} kinds in layers")
         if not self.norm_eps > 0:
             raise ConfigError(f"HybridConfig.norm_eps must be > 0, got {self.norm_eps!r}")
 
