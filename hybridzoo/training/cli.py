@@ -108,7 +108,7 @@ class HybridLightningCLI(LightningCLI):
             seed_everything_default=0,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": False},
+            parser_kwargs={"default_env": False, "prog": "hybridzoo"},
             parser_class=OneLineErrorParser,
             args=args,
             run=run,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,8 +158,8 @@ class HybridConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config file at {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, a 5000-digit int, deep nesting
             raise ConfigError(f"{path} is not valid JSON: {error}") from error
         return cls.from_dict(data)
 
@@ -182,20 +184,65 @@ def _build(cls: type, data: dict[str, Any], where: str):
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(names)}")
     data = dict(data)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # JSON / YAML give lists where the dataclass keeps tuples
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = data.get(f.name)
         if isinstance(default, tuple) and isinstance(value, list):
             data[f.name] = tuple(value)
-        elif isinstance(default, float) and isinstance(value, str):
+        elif isinstance(value, str) and _has_type(0.5, hints[f.name]) and not _has_type("", hints[f.name]):
             # PyYAML reads "1e-5" (no dot) as a string: accept it as the float it means
             try:
                 data[f.name] = float(value)
             except ValueError:
                 raise ConfigError(f"{where}.{f.name} must be a number, got {value!r}") from None
+    for name, value in data.items():
+        if not _has_type(value, hints[name]):
+            raise ConfigError(f"{where}.{name} must be {_type_name(hints[name])}, got {value!r}")
     try:
         return cls(**data)
     except ConfigError:
         raise
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{where}: {error}") from error
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` (as JSON / YAML give it) fits a field annotation of these dataclasses:
+    int (not bool, below 2**31), float (an int too), bool, str, ``X | None``, ``list[str]``, ``tuple[float, float]``
+    or a mixer config (or its dict). A string ``"true"`` for a bool, ``2.5`` heads or a list of
+    lists of kinds is refused here rather than building a wrong model or failing deep inside."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:  # sizes, counts and seeds: below 2**31 (a larger one overflows torch)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value)
+    if origin is tuple:
+        return (isinstance(value, (list, tuple)) and len(value) == len(args)
+                and all(_has_type(v, a) for v, a in zip(value, args)))
+    if dataclasses.is_dataclass(annotation):
+        return isinstance(value, (annotation, dict))
+    return True  # an annotation these configs do not use: left to the dataclass
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type):
+        return {"int": "an int below 2**31", "float": "a number", "bool": "true or false", "str": "a string"}.get(
+            annotation.__name__, f"a {annotation.__name__} (a mapping)")
+    if typing.get_origin(annotation) is list:
+        return "a list of strings"
+    return "a list of two numbers"  # tuple[float, float], the only other annotation of these configs
