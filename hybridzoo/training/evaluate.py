@@ -79,9 +79,12 @@ def training_info(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, deep nesting
         raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(info, dict) or not isinstance(info.get("data") or {}, dict):
+        raise ValueError(f'{path}: expected an object whose "data" is an object, got {str(info)[:80]}')
+    return info
 
 
 def data_module_for(directory: str | Path, config, data: list[str] | None = None,
