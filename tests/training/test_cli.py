@@ -2,9 +2,9 @@
 input that must end in one clear error line, exit status 2, and no file clobbered."""
 
 import json
-import shutil
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
