@@ -79,8 +79,11 @@ def _recipe(name: str, **smoke: object) -> Callable[[bool], HybridConfig]:
     def build(tiny: bool) -> HybridConfig:
         from hybridzoo.zoo.recipes import load_recipe_config
 
-        overrides = dict(vocab_size=256, d_model=64, n_layers=2, d_mlp=128, **smoke) if tiny else {}
-        return load_recipe_config(name, **overrides)
+        if not tiny:
+            return load_recipe_config(name)
+        # two layers, or one repetition of a longer pattern (every mixer kind of the recipe is built)
+        n_layers = max(2, len(load_recipe_config(name).pattern))
+        return load_recipe_config(name, vocab_size=256, d_model=64, n_layers=n_layers, d_mlp=128, **smoke)
 
     return build
 

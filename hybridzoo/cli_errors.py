@@ -24,13 +24,18 @@ def user_errors(*extra: type[BaseException]) -> tuple[type[BaseException], ...]:
 
 def root_cause(error: BaseException, errors: tuple[type[BaseException], ...]) -> BaseException:
     """The innermost of ``error``'s chained exceptions that is one of ``errors``: jsonargparse
-    wraps an error raised while building the data module in a long "Union subtypes" message."""
+    wraps an error raised while building the data module in a long "Union subtypes" message.
+
+    The chain is followed as Python prints it: ``__cause__`` (``raise ... from cause``), else
+    ``__context__`` unless ``raise ... from None`` suppressed it, so that an error which replaced
+    a library's message by a clearer one (a file name and line) is the one reported."""
     found, seen = error, set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, errors):
             found = error
-        error = error.__cause__ or error.__context__
+        error = error.__cause__ if error.__cause__ is not None else (
+            None if error.__suppress_context__ else error.__context__)
     return found
 
 

@@ -62,6 +62,32 @@ _QUIET = (
 )
 
 
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, whose parse errors are one line (the message, then where the options
+    are listed) instead of the full usage text before it: ``argparse.ArgumentParser.error`` is the
+    method argparse documents for overriding. Errors that jsonargparse handles itself
+    (``exit_on_error=False``, its debug mode) go to the parent class unchanged."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        flat = _shorter(" ".join(line.strip() for line in str(message).splitlines() if line.strip()))
+        sys.stderr.write(f"{prog}: error: {flat} (see {prog} --help)\n")
+        self.exit(2)
+
+
+def _shorter(message: str) -> str:
+    """jsonargparse's message for a bad ``data.init_args`` value lists every subtype of the data
+    argument's Union; keep the part about the class that was given."""
+    import re
+
+    found = re.search(r"Problem with given class_path '([^']+)': (.*?)( - Expected a <class 'NoneType'>.*)?$",
+                      message)
+    return f"{found.group(2)} (in {found.group(1)})" if found else message
+
+
 class HybridLightningCLI(LightningCLI):
     """LightningCLI with ``LanguageModel``, a data module chosen by ``data.class_path`` and the
     hybridzoo defaults (see the module docstring). ``args``: the argument list after the
@@ -76,7 +102,8 @@ class HybridLightningCLI(LightningCLI):
             seed_everything_default=0,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_env": False},
+            parser_kwargs={"default_env": False, "prog": "hybridzoo"},
+            parser_class=OneLineErrorParser,
             args=args,
             run=run,
         )
@@ -213,13 +240,16 @@ def _plain(value):
 
 def resolve_configs(argv: list[str]) -> list[str]:
     """Replace each ``--config NAME`` / ``-c NAME`` / ``--config=NAME`` whose value is a
-    packaged recipe name (not a file) by the recipe's path."""
+    packaged recipe name (not a file) by the recipe's path; a config file that is not valid YAML
+    is a ``ValueError`` naming the file and the line (jsonargparse names neither file nor path)."""
     from hybridzoo.zoo.recipes import recipe_path
 
     def resolve(value: str) -> str:
         if any(ch in value for ch in "{}:\n") and not Path(value).exists():
             return value  # an inline YAML/JSON config, left to jsonargparse
-        return str(recipe_path(value))
+        path = recipe_path(value)
+        check_yaml_file(path)
+        return str(path)
 
     out, i = [], 0
     while i < len(argv):
@@ -233,6 +263,51 @@ def resolve_configs(argv: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     return out
+
+
+def check_yaml_file(path: str | Path) -> None:
+    """Raise ``ValueError`` naming ``path``, the line and the column when the file is not valid
+    UTF-8 YAML."""
+    import yaml
+
+    try:
+        yaml.safe_load(Path(path).read_bytes().decode("utf-8"))  # as jsonargparse reads it
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = ""
+        if error.context and error.context_mark is not None:
+            context = (f"{error.context} started at line {error.context_mark.line + 1}, column "
+                       f"{error.context_mark.column + 1}: ")
+        raise ValueError(f"{path}{where}: not valid YAML ({context}{error.problem})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:  # e.g. bytes that are not UTF-8 text
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+
+
+def keep_negative_values(argv: list[str]) -> list[str]:
+    """``--name -1e-3`` as ``--name=-1e-3``: argparse takes an argument that starts with ``-`` and
+    is not a plain negative number (``-1e-3``, ``-inf``) for an option, so that the option would
+    lack its value. Any argument that Python reads as a number is kept as the value of the option
+    before it."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if (arg.startswith("--") and "=" not in arg and i + 1 < len(argv)
+                and argv[i + 1].startswith("-") and _is_number(argv[i + 1])):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class _NoTips(logging.Filter):
@@ -259,7 +334,8 @@ def main(argv: list[str]) -> int:
     command = argv[0] if argv else "fit"
     errors = user_errors()
     try:
-        HybridLightningCLI(args=resolve_configs(list(argv)))  # an unknown recipe: FileNotFoundError
+        # an unknown recipe: FileNotFoundError; a config that is not YAML: ValueError
+        HybridLightningCLI(args=keep_negative_values(resolve_configs(list(argv))))
     except errors as error:
         return user_error_exit(command, error, errors)
     except SystemExit as error:  # jsonargparse: --help, --print_config, parse errors

@@ -59,6 +59,7 @@ from hybridzoo.training.tokenizers import ByteTokenizer, Tokenizer, load_tokeniz
 
 __all__ = [
     "DEFAULT_CORPUS_BYTES",
+    "DataError",
     "MQARDataModule",
     "PackedDataset",
     "ResumableLoader",
@@ -126,6 +127,47 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+class DataError(ValueError):
+    """A data file that cannot be read as documents: not UTF-8 text, a malformed jsonl line, a
+    missing ``text`` field or column, ... The message names the file (and the line or row)."""
+
+
+_DECODING_FIX = ("text files are read as UTF-8 (errors='strict'): convert the file to UTF-8 "
+                 "(e.g. iconv -f latin1 -t utf-8) or leave it out")
+
+
+def _check_text(text: str, where: str) -> str:
+    """``text`` if it can be a document: no NUL character (the byte tokenizer's end-of-document
+    id, and the mark of a binary file) and encodable as UTF-8 (no lone surrogate such as a JSON
+    ``"\\ud800"``); else :class:`DataError` naming ``where``."""
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise DataError(f"{where}: holds a NUL character at position {nul}: not text "
+                        f"(a binary file?); documents must be UTF-8 text without NUL, which marks the "
+                        f"end of a document")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DataError(f"{where}: not valid Unicode text (character {error.start} is a lone surrogate "
+                        f"{text[error.start]!r})") from None
+    return text
+
+
+def _decode(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8 (``errors="strict"``) and checked by :func:`_check_text`; a
+    :class:`DataError` naming ``where`` and the byte offset otherwise."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{where}: NUL byte at offset {nul}: a binary file, not text (data files are read "
+                        f"as UTF-8 text, errors='strict'); leave it out")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                        f"{_DECODING_FIX}") from None
+    return _check_text(text, where)
+
+
 def read_documents(path: str | Path) -> list[Document]:
     """The documents of one file: ``.jsonl`` -> the ``"text"`` of each line, ``.parquet`` -> the
     ``"text"`` column, anything else -> the whole file as one document (UTF-8 bytes).
@@ -134,39 +176,63 @@ def read_documents(path: str | Path) -> list[Document]:
     ``{"prompt": str, "response": str}`` or ``{"messages": [{"role": str, "content": str}, ...]}``
     (see :func:`~hybridzoo.training.packing.sample_from_record`).
 
-    Empty documents are dropped. Raises ``ValueError`` naming the file (and line) on a malformed
-    jsonl line or a missing ``text`` field/column, ``ImportError`` for parquet without pyarrow.
+    Every file is read as UTF-8 with ``errors="strict"``: a byte sequence that is not UTF-8, or a
+    NUL byte (the end-of-document id of the byte tokenizer, and the mark of a binary file), is a
+    :class:`DataError` naming the file and the offset (the line for jsonl, the row for parquet),
+    never a silently mangled document. Empty documents are dropped. Raises :class:`DataError`
+    (a ``ValueError``) naming the file (and line) on a malformed jsonl line or a missing ``text``
+    field/column, ``ImportError`` for parquet without pyarrow.
     """
     path = Path(path)
     if path.suffix == ".jsonl":
         docs = []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                where = f"{path}, line {number}"
+                line = _decode(raw, where)
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
+                except RecursionError:
+                    raise DataError(f"{where}: not valid JSON (nested too deeply)") from None
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
-                sample = sample_from_record(record, f"{path}, line {number}") if isinstance(record, dict) else None
+                    raise DataError(f"{where}: not valid JSON ({err.msg.removesuffix(' at')}, "
+                                    f"column {err.colno})") from None
+                except ValueError as err:  # an integer of more than 4300 digits
+                    raise DataError(f"{where}: not valid JSON ({err})") from None
+                sample = sample_from_record(record, where) if isinstance(record, dict) else None
                 if sample is not None:
                     docs.append(sample)
                     continue
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{path}, line {number}: expected an object with a "text" string field '
-                                     f'(or a fine-tuning sample: "prompt" and "response", or "messages")')
-                docs.append(record["text"])
+                    raise DataError(f'{where}: expected an object with a "text" string field '
+                                    f'(or a fine-tuning sample: "prompt" and "response", or "messages")')
+                docs.append(_check_text(record["text"], where))
     elif path.suffix == ".parquet":
         try:
+            import pyarrow
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError(f"reading {path} needs pyarrow: install pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pyarrow.ArrowException, OSError) as error:
+            raise DataError(f"{path}: not a readable parquet file ({error})") from None
         if "text" not in table.column_names:
-            raise ValueError(f'{path}: no "text" column (columns: {", ".join(table.column_names)})')
-        docs = [t for t in table.column("text").to_pylist() if t is not None]
+            raise DataError(f'{path}: no "text" column (columns: {", ".join(table.column_names)})')
+        docs = table.column("text").to_pylist()
+        for row, text in enumerate(docs):
+            if text is not None and not isinstance(text, str):
+                raise DataError(f'{path}, row {row}: the "text" column holds {type(text).__name__} values, '
+                                f"not strings")
+            if text is not None:
+                _check_text(text, f"{path}, row {row}")
+        docs = [t for t in docs if t is not None]
     else:
-        docs = [path.read_bytes()]
+        data = path.read_bytes()
+        _decode(data, str(path))
+        docs = [data]
     return [d for d in docs if d]
 
 

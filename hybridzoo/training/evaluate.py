@@ -26,12 +26,52 @@ from hybridzoo.zoo.checkpoint import checkpoint_dir
 TEXT_DATA = "hybridzoo.training.data.TextDataModule"
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The device of ``--device`` (default: CUDA if available, else the CPU); ``ValueError`` with
+    the fix for a name torch does not know or a device this machine does not have."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"--device {device!r} is not a device name ({error}); use cpu or cuda") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine "
+                             f"(torch.cuda.is_available() is False); use --device cpu, or leave --device out")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    elif resolved.type not in ("cpu", "meta"):
+        backend = getattr(torch, resolved.type, None)
+        if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
+            raise ValueError(f"--device {device}: {resolved.type} is not available on this machine; use --device cpu")
+    return resolved
+
+
+def check_finite(model, directory: str | Path) -> None:
+    """``ValueError`` naming the first tensor of ``model`` that holds NaN or infinite values (a
+    diverged run): such a model gives NaN logits, which cannot be sampled from or evaluated."""
+    from hybridzoo.zoo.checkpoint import WEIGHTS_NAME
+
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            raise ValueError(f"{Path(directory) / WEIGHTS_NAME}: tensor {name!r} holds {nan} NaN and {inf} "
+                             f"infinite values (of {tensor.numel()}): the model is unusable (a diverged "
+                             f"run? use an earlier checkpoint)")
+
+
 def load_model(directory: str | Path, device: str | None = None):
-    """``HybridLM.from_pretrained(directory)`` on ``device`` (default: CUDA if available)."""
+    """``HybridLM.from_pretrained(directory)`` on ``device`` (default: CUDA if available).
+
+    ``ValueError`` (one line, with the fix) for a device this machine does not have, and for a
+    checkpoint holding NaN or infinite weights (:func:`check_finite`)."""
     from hybridzoo.zoo import HybridLM
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return HybridLM.from_pretrained(directory, device=device)
+    model = HybridLM.from_pretrained(directory, device=resolve_device(device))
+    check_finite(model, directory)
+    return model
 
 
 def training_info(directory: str | Path) -> dict[str, Any]:
@@ -40,9 +80,12 @@ def training_info(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, deep nesting
         raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(info, dict) or not isinstance(info.get("data") or {}, dict):
+        raise ValueError(f'{path}: expected an object whose "data" is an object, got {str(info)[:80]}')
+    return info
 
 
 def data_module_for(directory: str | Path, config, data: list[str] | None = None,

@@ -184,8 +184,11 @@ def load_pretrained(cls, directory: str | Path, device=None, dtype: torch.dtype 
 
     # built on meta, then every tensor comes from the file: this works because no module of
     # hybridzoo keeps a buffer outside its state_dict (tests/zoo/test_checkpoint.py checks it)
-    with torch.device("meta"):
-        model = cls(config)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except (ValueError, ZeroDivisionError) as error:  # sizes a mixer refuses (heads, widths, ...)
+        raise CheckpointError(f"{config_path}: {error}") from error
     expected = model.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight", None)

@@ -2,7 +2,9 @@
 
 Serialises to JSON / YAML (``to_dict`` / ``from_dict``) and validates itself with clear
 errors. The layer sequence is a pattern of mixer kinds, e.g. ``"gdn gdn gdn attn"``,
-repeated (and cut) to ``n_layers``; each mixer kind has one settings block (``cfg.gdn``,
+repeated to ``n_layers`` (the last repetition is cut short when ``n_layers`` is not a multiple of
+the pattern's length; a pattern longer than ``n_layers`` is an error, since some of its layers
+would never be built); each mixer kind has one settings block (``cfg.gdn``,
 ``cfg.attn``, ...) shared by all layers of that kind.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +47,9 @@ class HybridConfig:
         d_model: width of the residual stream.
         n_layers: number of blocks.
         layers: the mixer pattern, a string of kinds (``"gdn gdn gdn attn"``) or a list,
-            repeated and cut to ``n_layers``. Kinds: mamba1, mamba2, gla, retnet, gdn, attn.
+            repeated to ``n_layers`` (the last repetition cut short if ``n_layers`` is not a
+            multiple of its length); at most ``n_layers`` kinds long. Kinds: mamba1, mamba2, gla,
+            retnet, gdn, attn.
         d_mlp: hidden width of each block's SwiGLU MLP; 0 = no MLP (pure Mamba stacks);
             None = ``8/3 · d_model`` rounded up to a multiple of 64.
         norm_eps: epsilon of every RMSNorm of the model.
@@ -112,6 +118,12 @@ class HybridConfig:
         if unknown:
             raise ConfigError(f"HybridConfig.layers: unknown mixer kind(s) {unknown}; "
                               f"choose from {list(MIXER_CONFIGS)}")
+        if len(self.pattern) > self.n_layers:
+            pattern = self.pattern
+            raise ConfigError(f"HybridConfig.layers has {len(pattern)} mixer kinds ({' '.join(pattern)}) but "
+                              f"n_layers is {self.n_layers}: the last {len(pattern) - self.n_layers} "
+                              f"({' '.join(pattern[self.n_layers:])}) would never be built. Set n_layers to "
+                              f"{len(pattern)} (or a multiple of it), or give at most {self.n_layers} kinds in layers")
         if not self.norm_eps > 0:
             raise ConfigError(f"HybridConfig.norm_eps must be > 0, got {self.norm_eps!r}")
 
@@ -171,10 +183,12 @@ class HybridConfig:
         try:
             data = json.loads(path.read_text(encoding="utf-8"), parse_constant=constant,
                               object_pairs_hook=no_duplicates)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} is not valid JSON: {error}") from error
+        except ConfigError:
+            raise
         except UnicodeDecodeError as error:
             raise ConfigError(f"{path} is not UTF-8 text (JSON): {error}") from error
+        except (ValueError, RecursionError) as error:  # bad JSON, a 5000-digit int, deep nesting
+            raise ConfigError(f"{path} is not valid JSON: {error}") from error
         if literals:
             warnings.warn(f"{path} holds the non-standard JSON literal {literals[0]} (written by an older "
                           f"hybridzoo); read as a float. Re-save the checkpoint (save_pretrained) to write "
@@ -202,6 +216,7 @@ def _build(cls: type, data: dict[str, Any], where: str):
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(names)}")
     data = dict(data)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # JSON / YAML give lists where the dataclass keeps tuples
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = data.get(f.name)
@@ -209,9 +224,12 @@ def _build(cls: type, data: dict[str, Any], where: str):
             # a float in a tuple of floats may be written "inf" (strict JSON has no infinity)
             data[f.name] = tuple(_number(v, f"{where}.{f.name}") if isinstance(d, float) and isinstance(v, str) else v
                                  for d, v in zip(default, value)) + tuple(value[len(default):])
-        elif isinstance(default, float) and isinstance(value, str):
-            # PyYAML reads "1e-5" (no dot) as a string: accept it as the float it means
+        elif isinstance(value, str) and _has_type(0.5, hints[f.name]) and not _has_type("", hints[f.name]):
+            # PyYAML reads "1e-5" (no dot) as a string, strict JSON writes infinity as "inf"
             data[f.name] = _number(value, f"{where}.{f.name}")
+    for name, value in data.items():
+        if not _has_type(value, hints[name]):
+            raise ConfigError(f"{where}.{name} must be {_type_name(hints[name])}, got {value!r}")
     try:
         return cls(**data)
     except ConfigError:
@@ -238,3 +256,44 @@ def finite_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` (as JSON / YAML give it) fits a field annotation of these dataclasses:
+    int (not bool, below 2**31), float (an int too), bool, str, ``X | None``, ``list[str]``, ``tuple[float, float]``
+    or a mixer config (or its dict). A string ``"true"`` for a bool, ``2.5`` heads or a list of
+    lists of kinds is refused here rather than building a wrong model or failing deep inside."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:  # sizes, counts and seeds: below 2**31 (a larger one overflows torch)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value)
+    if origin is tuple:
+        return (isinstance(value, (list, tuple)) and len(value) == len(args)
+                and all(_has_type(v, a) for v, a in zip(value, args)))
+    if dataclasses.is_dataclass(annotation):
+        return isinstance(value, (annotation, dict))
+    return True  # an annotation these configs do not use: left to the dataclass
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type):
+        return {"int": "an int below 2**31", "float": "a number", "bool": "true or false", "str": "a string"}.get(
+            annotation.__name__, f"a {annotation.__name__} (a mapping)")
+    if typing.get_origin(annotation) is list:
+        return "a list of strings"
+    return "a list of two numbers"  # tuple[float, float], the only other annotation of these configs

@@ -4,6 +4,7 @@ input that must end in one clear error line, exit status 2, and no file clobbere
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,84 @@ def test_fsdp_on_cpu_is_refused_clearly(tmp_path, previous_run, capsys):
                               "cpu", "--trainer.devices", "2", *QUIET], capsys)
     assert code == 2 and "fsdp" in err and "requires a GPU accelerator" in err
     assert "Traceback" not in err + out and snapshot(previous_run) == before
+
+
+# ---- errors that point the right way (issue 56) -------------------------------------------------
+def test_fit_and_eval_name_the_same_bad_jsonl_line(trained, tmp_path, previous_run, capsys):
+    """A malformed line 102: fit reported json's own 'Invalid control character' (root_cause
+    followed the context past ``raise ... from None``); now both commands name the file and line."""
+    corpus = write_corpus(tmp_path / "c.jsonl", n_docs=150)
+    lines = corpus.read_text().splitlines()
+    lines[101] = '{"text": "a tab\tinside"}'  # a raw control character: not valid JSON
+    corpus.write_text("\n".join(lines) + "\n")
+    recipe = write_recipe(tmp_path, previous_run, corpus)
+    code, out, fit_err = run_cli(["fit", "--config", recipe, "--overwrite", "true", *QUIET], capsys)
+    assert code == 2 and "Traceback" not in fit_err + out
+    assert f"{corpus}, line 102: not valid JSON" in fit_err
+    code, _, eval_err = run_cli(["eval", trained / "run" / "export", "--data", corpus], capsys)
+    assert code == 2
+    message = lambda err: err.strip().splitlines()[-1].split("error: ", 1)[1]  # noqa: E731
+    assert message(fit_err) == message(eval_err)
+
+
+def test_eval_data_refuses_a_binary_file(trained, tmp_path, capsys):
+    binary = tmp_path / "ls.txt"
+    binary.write_bytes(Path("/bin/ls").read_bytes() if Path("/bin/ls").is_file() else b"\x7fELF\x00\x01")
+    code, out, err = run_cli(["eval", trained / "run" / "export", "--data", binary], capsys)
+    assert code == 2 and f"{binary}: NUL byte at offset" in err and "Traceback" not in err + out
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--bogus", "3"], "unrecognized arguments: --bogus 3"),
+    (["--trainer.max_steps", "abc"], 'Parser key "trainer.max_steps": Expected a'),
+    (["--data.init_args.seq_len", "abc"], 'Parser key "seq_len": Expected a'),
+])
+def test_a_bad_argument_is_one_line_without_the_usage(args, expected, tmp_path, capsys):
+    """jsonargparse printed about 145 lines of usage before the error."""
+    code, out, err = run_cli(["fit", "--config", "tiny-hybrid", *args], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "usage" not in err, err
+    assert lines[0].startswith("hybridzoo fit: error: ") and expected in lines[0]
+    assert "(see hybridzoo fit --help)" in lines[0]
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: 10\n  callbacks: [1\n")
+    code, out, err = run_cli(["fit", "--config", "tiny-hybrid", "--config", bad], capsys)
+    assert code == 2 and "usage" not in err
+    assert f"{bad}, line 4, column 1: not valid YAML" in err and "line 3, column 14" in err
+
+
+@pytest.mark.parametrize("form", ["separate", "joined"])
+def test_a_negative_number_is_an_option_value(form, tmp_path, previous_run, capsys):
+    """'--model.learning_rate -1e-3' said 'expected one argument': argparse took -1e-3 for an
+    option. The value now reaches the learning-rate check and its message."""
+    recipe = write_recipe(tmp_path, previous_run, write_corpus(tmp_path / "c.jsonl"))
+    value = ["--model.learning_rate", "-1e-3"] if form == "separate" else ["--model.learning_rate=-1e-3"]
+    code, out, err = run_cli(["fit", "--config", recipe, *value, *QUIET], capsys)
+    assert code == 2 and "expected one argument" not in err
+    assert "need learning_rate > 0" in err and "got -0.001" in err
+
+
+def test_generate_on_cuda_without_cuda_is_one_line(trained, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(["generate", trained / "run" / "export", "--prompt", "x", "--device", "cuda"], capsys)
+    assert code == 2 and "Traceback" not in err + out
+    assert "--device cuda: CUDA is not available on this machine" in err and "--device cpu" in err
+
+
+def test_generate_and_eval_refuse_nan_or_inf_weights(trained, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    export = tmp_path / "export"
+    shutil.copytree(trained / "run" / "export", export)
+    tensors = load_file(str(export / "model.safetensors"))
+    name = sorted(tensors)[len(tensors) // 2]
+    tensors[name].view(-1)[0] = float("nan")
+    tensors[name].view(-1)[-1] = float("inf")
+    save_file(tensors, str(export / "model.safetensors"))
+    for command in (["generate", export, "--prompt", "def", "--device", "cpu"], ["eval", export]):
+        code, out, err = run_cli(command, capsys)
+        assert code == 2 and "Traceback" not in err + out
+        assert f"tensor {name!r} holds 1 NaN and 1 infinite values" in err

@@ -16,6 +16,7 @@ import torch
 
 from hybridzoo.training.data import (
     DEFAULT_CORPUS_BYTES,
+    DataError,
     MQARDataModule,
     ResumableSampler,
     TextDataModule,
@@ -256,6 +257,34 @@ def test_bad_jsonl_line_is_named(tmp_path, lines, pattern):
     with pytest.raises(ValueError, match=pattern) as info:
         dm.setup("fit")
     assert "bad.jsonl" in str(info.value)
+
+
+def binary_file(path: Path) -> Path:
+    """A copy of a real executable (``/bin/ls`` where there is one) under a text name."""
+    source = Path("/bin/ls")
+    path.write_bytes(source.read_bytes() if source.is_file() else b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    return path
+
+
+@pytest.mark.parametrize("name,content,pattern", [
+    ("ls.txt", None, r"ls\.txt: NUL byte at offset \d+: a binary file"),
+    ("latin1.txt", "caf\u00e9 au lait\n".encode("latin-1"), r"latin1\.txt: not UTF-8 text \(byte 0xe9 at offset 3\)"),
+    ("nul.txt", b"text with a \x00 inside", r"nul\.txt: NUL byte at offset 12"),
+    ("bytes.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bytes\.jsonl, line 2: not UTF-8 text"),
+    ("nul.jsonl", b'{"text": "ok"}\n{"text": "a\\u0000b"}\n', r"nul\.jsonl, line 2: holds a NUL character"),
+    ("surrogate.jsonl", b'{"text": "ok"}\n\n{"text": "a\\ud800b"}\n', r"surrogate\.jsonl, line 3: not valid Unicode"),
+    ("deep.jsonl", b'{"text": "ok"}\n' + b"[" * 100_000 + b"]" * 100_000, r"deep\.jsonl, line 2: not valid JSON"),
+    ("huge.jsonl", b'{"text": ' + b"9" * 5000 + b"}", r"huge\.jsonl, line 1: not valid JSON"),
+])
+def test_a_file_that_is_not_utf8_text_is_an_error_naming_it(tmp_path, name, content, pattern):
+    """Data files are UTF-8 text (errors="strict"): a binary file, invalid UTF-8, a NUL (the
+    end-of-document id) or text that cannot be encoded is a DataError naming the file, the offset
+    or line, never a document of garbage bytes nor a UnicodeDecodeError/RecursionError from inside."""
+    path = tmp_path / name
+    binary_file(path) if content is None else path.write_bytes(content)
+    dm = TextDataModule(paths=[str(path)], seq_len=4)
+    with pytest.raises(DataError, match=pattern):
+        dm.setup("fit")
 
 
 def test_seq_len_the_data_cannot_fill(tmp_path):

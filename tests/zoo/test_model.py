@@ -97,6 +97,32 @@ def test_config_pattern_repeats_and_validates():
         HybridConfig(n_layers=0)
 
 
+def test_a_layer_pattern_longer_than_n_layers_is_refused():
+    """Eight kinds for four layers used to build the first four and drop the rest silently: an
+    error naming both numbers and the fix. A pattern repeated (and cut) to n_layers stays."""
+    eight = "gdn gdn mamba2 mamba2 attn attn gla gla"
+    with pytest.raises(ConfigError, match=r"8 mixer kinds .* n_layers is 4: the last 4 \(attn attn gla gla\)"
+                                          r".*Set n_layers to 8"):
+        HybridLM.from_recipe("tiny-hybrid", layers=eight, n_layers=4)
+    with pytest.raises(ConfigError, match="n_layers is 2"):  # the recipe's 3 kinds, 2 layers
+        HybridConfig.from_dict({"layers": ["gdn", "mamba2", "attn"], "n_layers": 2})
+    cfg = HybridConfig(n_layers=4, layers="gdn mamba2 attn")
+    assert cfg.layer_kinds() == ["gdn", "mamba2", "attn", "gdn"]  # every kind built
+
+
+@pytest.mark.parametrize("data,pattern", [
+    ({"tie_embeddings": "false"}, "tie_embeddings must be true or false"),
+    ({"layers": [["gdn"]]}, "layers must be a string or a list of strings"),
+    ({"gdn": {"num_k_heads": 2.5}}, "gdn.num_k_heads must be an int"),
+    ({"d_model": 2**63}, "d_model must be an int below 2"),
+    ({"attn": {"window": "5"}}, "attn.window must be an int below 2\\*\\*31 or null"),
+])
+def test_config_values_of_the_wrong_type_are_refused(data, pattern):
+    """A string "false" is truthy: it used to tie the head; 2.5 heads or 2**63 failed deep in torch."""
+    with pytest.raises(ConfigError, match=pattern):
+        HybridConfig.from_dict(data)
+
+
 def test_config_json_and_yaml_round_trip(tmp_path):
     cfg = tiny_config("mamba2 attn", tie_embeddings=False)
     cfg.to_json(tmp_path / "c.json")

@@ -147,7 +147,8 @@ def test_recipe_table():
     assert tiny["layers"] == "gdn mamba2 attn x2"
     cut = HybridConfig(n_layers=5, layers="mamba1 attn", **_small())
     assert layers_summary(cut) == "mamba1 attn x2 + mamba1"
-    assert layers_summary(HybridConfig(n_layers=1, layers="gdn gdn attn", **_small())) == "gdn"
+    with pytest.raises(ConfigError, match="n_layers is 1"):  # a pattern longer than n_layers
+        HybridConfig(n_layers=1, layers="gdn gdn attn", **_small())
 
 
 def test_tied_head_counted_once():
