@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.delta_rule import _check
+from hybridzoo.kernels.varlen import check_packed, prepare_chunk_indices
 from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
 from hybridzoo.kernels.triton.delta_rule_split import _state_fwd_split, split_fixed
@@ -210,20 +211,21 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N, cu_p
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
 
 
-def chunk_grid(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial):
-    ``(chunk_indices [n_chunks, 2], chunk_offsets [N + 1])`` int32 on ``cu_seqlens``' device, the
-    (document, chunk within the document) of every chunk of the kernels' grid and the first
-    grid chunk of each document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated
-    int32 ``[N + 1]``. One host sync (the chunk count sizes the grid)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    counts = (lengths + chunk_size - 1) // chunk_size
-    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
-    n_chunks = int(offsets[-1])
-    doc = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
-                                  output_size=n_chunks)
-    within = torch.arange(n_chunks, device=counts.device) - offsets[doc]
-    return torch.stack([doc, within], 1).to(torch.int32).contiguous(), offsets.to(torch.int32)
+def chunk_grid(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial,
+    no padding): ``(cu_seqlens, chunk_indices [n_chunks, 2], chunk_offsets [N + 1])`` int32 on
+    ``cu_seqlens``' device: (document, chunk within the document) of every chunk of the kernels'
+    grid (:func:`hybridzoo.kernels.varlen.prepare_chunk_indices`) and the first grid chunk of each
+    document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``."""
+    indices = prepare_chunk_indices(cu_seqlens, chunk_size).contiguous()
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    return cu_seqlens.to(torch.int32).contiguous(), indices, offsets
+
+
+def _chunk(chunk_size: int) -> int:
+    """The chunk size the kernels run with: 16, 32 or 64 as given, else 64."""
+    return chunk_size if chunk_size in (16, 32, 64) else 64
 
 
 class _Config:
@@ -235,7 +237,7 @@ class _Config:
         self.B, self.T, self.Hk, self.K = q.shape
         self.H, self.V = v.shape[2], v.shape[3]
         self.G = self.H // self.Hk
-        self.C = chunk_size if chunk_size in (16, 32, 64) else 64
+        self.C = _chunk(chunk_size)
         self.varlen = varlen is not None
         # packed documents: batch 1, the grid's chunks are the documents' own (chunk_grid), and
         # the state kernels run one program row per (document, head); else None pointers
@@ -362,6 +364,7 @@ def chunk_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise gated delta rule, Triton kernels (forward and backward); same contract as the reference.
 
@@ -376,13 +379,21 @@ def chunk_delta_rule(
         initial_state: ``[B, H, K, V]`` (float32 is used inside) or None (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: 16, 32 or 64 (any other value runs with 64; the result is the same function).
+        cu_seqlens: None, or int32 ``[N + 1]`` boundaries of ``N`` documents packed in one row
+            (``B = 1``, :mod:`hybridzoo.kernels.varlen`): each document runs alone from
+            ``initial_state[n]`` (``[N, H, K, V]``) and ``final_state`` is ``[N, H, K, V]``. Each
+            document has its own chunk grid (a chunk never spans two documents; the last chunk
+            of a document is partial, masked in the kernels: documents are not padded).
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``. Gradients flow
         to q, k, v, log_a, beta and initial_state, and from final_state. For the backward it keeps
         the inputs and the ``[B, T, H, C]`` triangular inverse (v's dtype; ``C`` = 64 on a GPU).
     """
-    _check(q, k, v, log_a, beta, initial_state, step=False)
+    _check(q, k, v, log_a, beta, initial_state if cu_seqlens is None else None, step=False)
+    if cu_seqlens is not None:
+        cu_seqlens = check_packed("triton chunk_delta_rule", cu_seqlens, v, initial_state,
+                                  (v.shape[2], q.shape[-1], v.shape[-1]))
     if q.device.type != "cuda" and not launch.interpret():
         raise ValueError("triton chunk_delta_rule needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "importing triton); use backend='reference' on the CPU")
@@ -399,7 +410,7 @@ def chunk_delta_rule(
     B, T, Hk, K = q.shape
     H, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
-    if T == 0:
+    if T == 0:  # (never packed: cu_seqlens has a document of at least one token)
         state = (torch.zeros(B, H, K, V, dtype=torch.float32, device=v.device) if initial_state is None
                  else initial_state.float())
         return v.new_zeros(v.shape), (state if output_final_state else None)
@@ -409,6 +420,7 @@ def chunk_delta_rule(
         log_a_in = log_a.contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
     q, k = q.to(v.dtype), k.to(v.dtype)  # the dots' precision follows v (see _Config.prec)
+    varlen = None if cu_seqlens is None else chunk_grid(cu_seqlens, _chunk(chunk_size))
     o, final_state = _ChunkDeltaRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_a_in,
-                                           beta.contiguous(), h0, scale, chunk_size)
+                                           beta.contiguous(), h0, scale, chunk_size, varlen)
     return o, (final_state if output_final_state else None)
