@@ -149,6 +149,26 @@ def test_packed_errors():
         triton_delta_rule.chunk_delta_rule(*args, cu_seqlens=torch.tensor([0, 0, 5], dtype=torch.int32))
 
 
+def test_packed_in_bounds():
+    """Every unmasked address of every kernel, forward and backward, inside the launch's tensors
+    (:mod:`.bounds`), the last document ending in a partial chunk at the end of the row."""
+    import os
+
+    from tests.kernels.triton.bounds import bounds_checked
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("address checks need TRITON_INTERPRET=1 (set by the test suite's conftest)")
+    lengths = [17, 2]
+    x = {n: (None if t is None else t.detach().requires_grad_()) for n, t in
+         make_packed(lengths, K=16, V=16, dtype=torch.float16, seed=3).items()}
+    with bounds_checked() as report:
+        o, s = triton_delta_rule.chunk_delta_rule(*(x[n] for n in NAMES[:5]), initial_state=x["initial_state"],
+                                                  output_final_state=True, chunk_size=16, cu_seqlens=cu_of(lengths))
+        (o.float().square().sum() + s.square().sum()).backward()
+    assert all(x[n].grad is not None for n in NAMES)
+    assert report.launches > 0 and report.violations == [], report.violations
+
+
 def test_chunk_grid():
     """Each document's own chunk grid: (document, chunk) of every chunk and each document's first."""
     cu, indices, offsets = triton_delta_rule.chunk_grid(cu_of(LENGTHS), 16)
