@@ -211,16 +211,34 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N, cu_p
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
 
 
+# (id, version, chunk size) of a cu_seqlens tensor -> (that tensor, its chunk_grid); small, bounded
+_GRIDS: dict[tuple, tuple] = {}
+_MAX_GRIDS = 64
+
+
 def chunk_grid(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial,
     no padding): ``(cu_seqlens, chunk_indices [n_chunks, 2], chunk_offsets [N + 1])`` int32 on
     ``cu_seqlens``' device: (document, chunk within the document) of every chunk of the kernels'
     grid (:func:`hybridzoo.kernels.varlen.prepare_chunk_indices`) and the first grid chunk of each
-    document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``."""
+    document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``.
+
+    Building it reads the chunk count on the host (a device sync on CUDA), so the grid of a
+    ``cu_seqlens`` tensor is remembered (until it is modified in place): every layer of a
+    forward, and the backward, reuse it, as :func:`~hybridzoo.kernels.varlen.check_cu_seqlens`
+    remembers its validation (which hands every layer the same tensor)."""
+    key = (id(cu_seqlens), cu_seqlens._version, chunk_size)
+    seen = _GRIDS.get(key)
+    if seen is not None and seen[0] is cu_seqlens:
+        return seen[1]
     indices = prepare_chunk_indices(cu_seqlens, chunk_size).contiguous()
     counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
-    return cu_seqlens.to(torch.int32).contiguous(), indices, offsets
+    grid = (cu_seqlens.to(torch.int32).contiguous(), indices, offsets)
+    if len(_GRIDS) >= _MAX_GRIDS:
+        _GRIDS.clear()
+    _GRIDS[key] = (cu_seqlens, grid)
+    return grid
 
 
 def _chunk(chunk_size: int) -> int:

@@ -176,6 +176,18 @@ def test_chunk_grid():
     assert offsets.tolist() == [0, 1, 2, 4, 7] and cu.dtype == indices.dtype == offsets.dtype == torch.int32
 
 
+def test_chunk_grid_is_remembered_until_cu_seqlens_changes():
+    """The grid of one cu_seqlens tensor is built once (it reads the chunk count on the host, a
+    device sync on CUDA), and built again after the tensor is modified in place."""
+    cu = cu_of([3, 20])
+    first = triton_delta_rule.chunk_grid(cu, 16)
+    assert triton_delta_rule.chunk_grid(cu, 16) is first
+    assert triton_delta_rule.chunk_grid(cu, 32) is not first
+    cu[1] = 5  # documents of 5 and 18 tokens
+    again = triton_delta_rule.chunk_grid(cu, 16)
+    assert again is not first and again[1].tolist() == [[0, 0], [1, 0], [1, 1]]
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 
