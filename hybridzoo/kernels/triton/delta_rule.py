@@ -25,6 +25,14 @@ instead of storing them.
 
 ``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
 or 64 are used as given, any other value runs with 64.
+
+Packed documents (``cu_seqlens``, batch 1): every kernel has an ``IS_VARLEN`` constexpr branch.
+The chunk-parallel kernels' chunk index is a row of :func:`chunk_grid`'s ``[n_chunks, 2]``
+(document, chunk within it), their masks stop at the document's end (a document's last chunk is
+partial; documents are not padded); the state kernels run one program per (document, head,
+V-block) through that document's chunks, from its initial state to its final state
+(``delta_rule_common._chunk_span``, ``_state_span``). Without ``cu_seqlens`` the index pointers
+are None and the kernels compile as before.
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
 from hybridzoo.kernels.triton.delta_rule_split import _state_fwd_split, split_fixed
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                        _chunk_span, _cols_block, _state_span, _dot, _load_rows, _put, _rows_block,
-                                                        _state_block, _state_decays, _store_rows, _tile,
-                                                        prune_state_configs, state_warps, value_tile_floor)
+                                                        _chunk_span, _cols_block, _dot, _load_rows, _put,
+                                                        _rows_block, _state_block, _state_decays, _state_span,
+                                                        _store_rows, _tile, prune_state_configs, state_warps,
+                                                        value_tile_floor)
 
 __all__ = ["chunk_delta_rule"]
 

@@ -21,6 +21,10 @@ per-position terms ``dg`` (row sums minus column sums of ``dΓ ⊙ Γ``, ``dγ �
 sum inside the chunk: no long subtraction, and decay values of 0 (resets) give finite gradients.
 
 Per value head ``dq, dk`` are float32 buffers summed over each q/k head's group in torch.
+
+Packed documents (``cu_seqlens``): the same ``IS_VARLEN`` branch as the forward's kernels (each
+document its own chunk grid; the state backward walks each document's chunks in reverse, from
+its final state's gradient to its initial state's).
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import triton.language as tl
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule_split import _state_bwd_split
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                        _chunk_span, _cols_block, _state_span, _dot, _load_rows, _put, _rows_block,
-                                                        _state_block, _state_block_t, _state_decays, _store_rows,
-                                                        _tile, prune_state_configs)
+                                                        _chunk_span, _cols_block, _dot, _load_rows, _put,
+                                                        _rows_block, _state_block, _state_block_t, _state_decays,
+                                                        _state_span, _store_rows, _tile, prune_state_configs)
 
 
 @triton.jit
