@@ -10,6 +10,8 @@ an H200), which is why float32 inputs now use 3xTF32 dots.
     python scripts/kernel_resources.py            # the table below, about a minute on one core
     python scripts/kernel_resources.py --all      # every kernel of both ops at the largest head
                                                   # sizes, bf16 and fp32: shared memory must fit
+    python scripts/kernel_resources.py --all --varlen   # the delta rule's kernels in their
+                                                  # packed-documents form (IS_VARLEN), the same way
     python scripts/kernel_resources.py --spills   # the conv, selective-scan and norm kernels at
                                                   # every launch setting they may run with: no spills
                                                   # (beyond the allowance named in SPILL_ALLOWED)
@@ -113,12 +115,13 @@ def cases():
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         yield (f"delta_rule _state_fwd_kernel {dt}", delta_rule._state_fwd_kernel,
                {"k_ptr": ptr, "w_ptr": ptr, **{n: "*fp32" for n in ("u_ptr", "la_ptr", "h0_ptr", "h_ptr", "vn_ptr",
-                                                                     "ht_ptr")}, "T": "i32", "N": "i32"},
+                                                                     "ht_ptr")}, "T": "i32", "N": "i32",
+                "cu_ptr": "*i32", "co_ptr": "*i32"},
                dict(cfg, HAS_H0=False, N_INTERP=0), warps, stages)
         yield (f"delta_rule _state_bwd_kernel {dt}", delta_rule_bwd._state_bwd_kernel,
                {"q_ptr": ptr, "k_ptr": ptr, "do_ptr": ptr, "w_ptr": ptr, **{n: "*fp32" for n in (
                    "la_ptr", "dv_ptr", "dht_ptr", "dh_ptr", "dh0_ptr")}, "scale": "fp32", "T": "i32",
-                "N": "i32"},
+                "N": "i32", "cu_ptr": "*i32", "co_ptr": "*i32"},
                dict(cfg, HAS_DHT=False, N_INTERP=0), warps, stages)
         la = dict(H=16, HK=16, K=128, V=128, C=64, BK=64, BV=64, DECAY=1, PREC=prec)
         yield (f"linear_attn _fwd_h_kernel {dt}", linear_attn._fwd_h_kernel,
@@ -135,7 +138,7 @@ INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w", "tm"}  # tensors in the i
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
 
-def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
+def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32"), varlen: bool = False):
     """Every Triton kernel of the linear-attention and delta-rule ops, with the largest head sizes
     the ops take (K = V = 256) and the launch settings the ops use, for bf16 and fp32 inputs
     (``dtypes``: a subset of those)."""
@@ -152,7 +155,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                       DECAY=2, PREC=prec, LOG_MIN=linear_attn.LOG_A_MIN, HAS_H0=True, HAS_DHT=True, STORE_H=True,
                       STORE_HT=True, STORE_DG=True, STORE_DH0=True, HAS_TM=False, N_INTERP=0, NT_LOOP=0,
                       D=256, DV=256, BM=64, BN=32, BD=256, BDV=256, NM_LOOP=0, NN_LOOP=0,
-                      DIAG_DOT=True, SPAN=linear_attn_common.DIAG_SPAN)
+                      DIAG_DOT=True, SPAN=linear_attn_common.DIAG_SPAN, IS_VARLEN=varlen)
         # the delta rule's own settings at K = V = 256 (its _Config on shape-only tensors)
         dr = delta_rule._Config(torch.empty(1, 1, 2, 256, device="meta", dtype=torch_dtype),
                                 torch.empty(1, 1, 4, 256, device="meta", dtype=torch_dtype), 64)
@@ -183,7 +186,10 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
                 inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
                           else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)
+                if varlen and module not in (delta_rule, delta_rule_bwd, delta_rule_split):
+                    continue  # --varlen: the packed-documents (IS_VARLEN) forms of the delta rule's kernels
                 types = {p: ("i32" if p in ("T", "N", "NT", "S", "NM", "NN", "stride_kb", "stride_vb")
+                             else "*i32" if p in ("cu_ptr", "ci_ptr", "co_ptr")
                              else "fp32" if p == "scale"
                              else f"*{dt}" if p.removesuffix("_ptr") in inputs else "*fp32")
                          for p in params if p not in constexprs}
@@ -193,7 +199,7 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32")):
                     bm, bn, warps, stages = prefix_bwd._tiles(256, 256, torch_dtype)
                     constexprs.update(BM=bm, BN=bn)
                     launch_warps = warps
-                label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+                label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}" + (" VARLEN" if varlen else "")
                 if module is delta_rule_split:  # every candidate the prune keeps at K = 256
                     types["dv_ptr"] = "*fp32"
                     kept = delta_rule_split.prune_split_configs(delta_rule_split.SPLIT_CONFIGS, {}, K=256)
@@ -504,7 +510,7 @@ def main() -> int:
     if "--all" in sys.argv[1:]:
         bad = 0
         dtypes = tuple(args[args.index("--dtype") + 1].split(",")) if "--dtype" in args else ("bf16", "fp32")
-        for name, kernel, types, constexprs, warps, stages in all_kernels(dtypes):
+        for name, kernel, types, constexprs, warps, stages in all_kernels(dtypes, "--varlen" in args):
             try:
                 r = resources(kernel, types, constexprs, warps, stages)
                 flag = "OVER THE SHARED-MEMORY LIMIT" if r["shared"] > SHARED_LIMIT else ""

@@ -25,6 +25,14 @@ instead of storing them.
 
 ``chunk_size`` is a speed knob only (the op is the same function for every chunk size): 16, 32
 or 64 are used as given, any other value runs with 64.
+
+Packed documents (``cu_seqlens``, batch 1): every kernel has an ``IS_VARLEN`` constexpr branch.
+The chunk-parallel kernels' chunk index is a row of :func:`chunk_grid`'s ``[n_chunks, 2]``
+(document, chunk within it), their masks stop at the document's end (a document's last chunk is
+partial; documents are not padded); the state kernels run one program per (document, head,
+V-block) through that document's chunks, from its initial state to its final state
+(``delta_rule_common._chunk_span``, ``_state_span``). Without ``cu_seqlens`` the index pointers
+are None and the kernels compile as before.
 """
 
 from __future__ import annotations
@@ -34,13 +42,15 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.delta_rule import _check
+from hybridzoo.kernels.varlen import check_packed, prepare_chunk_indices
 from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
 from hybridzoo.kernels.triton.delta_rule_split import _state_fwd_split, split_fixed
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                        _cols_block, _dot, _load_rows, _put, _rows_block,
-                                                        _state_block, _state_decays, _store_rows, _tile,
-                                                        prune_state_configs, state_warps, value_tile_floor)
+                                                        _chunk_span, _cols_block, _dot, _load_rows, _put,
+                                                        _rows_block, _state_block, _state_decays, _state_span,
+                                                        _store_rows, _tile, prune_state_configs, state_warps,
+                                                        value_tile_floor)
 
 __all__ = ["chunk_delta_rule"]
 
@@ -99,10 +109,10 @@ def _unit_lower_inverse(a, C: tl.constexpr):
 
 
 @triton.jit
-def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
+def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T, cu_ptr, ci_ptr,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
-                   PREC: tl.constexpr, HAS_TM: tl.constexpr):
+                   PREC: tl.constexpr, HAS_TM: tl.constexpr, IS_VARLEN: tl.constexpr):
     """One chunk of one head: ``Tm = (I + A)⁻¹``, ``W = Tm diag(βγ) K``, ``U0 = Tm diag(β) V``.
 
     ``Tm`` is stored in the inputs' dtype (every use of it is a dot operand rounded to that dtype,
@@ -118,7 +128,8 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    t0, end = _chunk_span(i_n, T, cu_ptr, ci_ptr, C, IS_VARLEN)
+    mask_t, rows, rows_k = _chunk_rows(b, h, t0, end, H, G, C)
     offs_c = tl.arange(0, C)
 
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
@@ -148,41 +159,46 @@ def _wy_fwd_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, T,
 
 
 @triton.jit
-def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N,
+def _state_fwd_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N, cu_ptr, co_ptr,
                       H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
-    """Sequential over chunks for one (batch, head, V-block): stores the state entering each
-    chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0`` and the final state."""
+                      HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """Sequential over chunks for one (batch or document, head, V-block): stores the state
+    entering each chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0`` and the final state
+    (:func:`_state_span`: a packed document's chunks from its own initial state)."""
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
-    b, h = i_bh // H, i_bh % H
+    b, h, bos, end, n_chunks, h_row = _state_span(i_bh, T, N, cu_ptr, co_ptr, H, C, N_INTERP, IS_VARLEN)
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
     if HAS_H0:
         state = _tile(_state_block(h0_ptr, s_base, K, V, i_v, BK, BV))
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
-        _put(_state_block(h_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), state)
-        w = _tile(_rows_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
-        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+    for i_n in range(0, n_chunks):
+        t0 = bos + i_n * C
+        _put(_state_block(h_ptr, (h_row + i_n) * K * V, K, V, i_v, BK, BV), state)
+        w = _tile(_rows_block(w_ptr, b, h, t0, end, H, K, C, 0, BK))
+        u = _tile(_rows_block(u_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         vn = u - _dot(w, state, DT, PREC)
-        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True), vn)
-        key_t = _tile(_cols_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
+        _put(_rows_block(vn_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True), vn)
+        key_t = _tile(_cols_block(k_ptr, b, h // G, t0, end, H // G, K, C, 0, BK))
+        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, t0, end, H, C)
         state = state * gamma_chunk + _dot(key_t, vn * gamma_out[:, None], DT, PREC)
     _put(_state_block(ht_ptr, s_base, K, V, i_v, BK, BV), state)
 
 
 @triton.jit
-def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
+def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N, cu_ptr, ci_ptr,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
     """``O = scale · ((γ ⊙ Q) S0 + (Q Kᵀ ⊙ Γ) Vn)`` for one chunk, head and V-block."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    t0, end = _chunk_span(i_n, T, cu_ptr, ci_ptr, C, IS_VARLEN)
+    mask_t, rows, rows_k = _chunk_rows(b, h, t0, end, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
 
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
@@ -204,15 +220,57 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N,
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
 
 
-class _Config:
-    """Shapes, block sizes and launch settings shared by the forward and backward launches."""
+# (id, version, chunk size) of a cu_seqlens tensor -> (that tensor, its chunk_grid); small, bounded
+_GRIDS: dict[tuple, tuple] = {}
+_MAX_GRIDS = 64
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int):
+
+def chunk_grid(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial,
+    no padding): ``(cu_seqlens, chunk_indices [n_chunks, 2], chunk_offsets [N + 1])`` int32 on
+    ``cu_seqlens``' device: (document, chunk within the document) of every chunk of the kernels'
+    grid (:func:`hybridzoo.kernels.varlen.prepare_chunk_indices`) and the first grid chunk of each
+    document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``.
+
+    Building it reads the chunk count on the host (a device sync on CUDA), so the grid of a
+    ``cu_seqlens`` tensor is remembered (until it is modified in place): every layer of a
+    forward, and the backward, reuse it, as :func:`~hybridzoo.kernels.varlen.check_cu_seqlens`
+    remembers its validation (which hands every layer the same tensor)."""
+    key = (id(cu_seqlens), cu_seqlens._version, chunk_size)
+    seen = _GRIDS.get(key)
+    if seen is not None and seen[0] is cu_seqlens:
+        return seen[1]
+    indices = prepare_chunk_indices(cu_seqlens, chunk_size).contiguous()
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    grid = (cu_seqlens.to(torch.int32).contiguous(), indices, offsets)
+    if len(_GRIDS) >= _MAX_GRIDS:
+        _GRIDS.clear()
+    _GRIDS[key] = (cu_seqlens, grid)
+    return grid
+
+
+def _chunk(chunk_size: int) -> int:
+    """The chunk size the kernels run with: 16, 32 or 64 as given, else 64."""
+    return chunk_size if chunk_size in (16, 32, 64) else 64
+
+
+class _Config:
+    """Shapes, block sizes and launch settings shared by the forward and backward launches.
+    ``varlen``: ``(cu_seqlens, chunk_indices, chunk_offsets)`` for packed documents
+    (:func:`chunk_grid`), or None."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk_size: int, varlen: tuple | None = None):
         self.B, self.T, self.Hk, self.K = q.shape
         self.H, self.V = v.shape[2], v.shape[3]
         self.G = self.H // self.Hk
-        self.C = chunk_size if chunk_size in (16, 32, 64) else 64
-        self.N = triton.cdiv(self.T, self.C)
+        self.C = _chunk(chunk_size)
+        self.varlen = varlen is not None
+        # packed documents: batch 1, the grid's chunks are the documents' own (chunk_grid), and
+        # the state kernels run one program row per (document, head); else None pointers
+        self.cu, self.ci, self.co = varlen if self.varlen else (None, None, None)
+        self.N = self.ci.shape[0] if self.varlen else triton.cdiv(self.T, self.C)
+        self.S = self.cu.numel() - 1 if self.varlen else self.B  # sequences: their states' rows
         # Tiles at least 32 wide on both head dims: with 16-wide key tiles (K = 16, the heads of
         # mqar-gdn-s) Triton 3.6 on an H200 left rows of W unwritten in bf16 and fp16 (NaN in a
         # poisoned buffer) and _bwd_wy_kernel made an illegal memory access; with 32-wide tiles
@@ -250,7 +308,7 @@ class _Config:
 
     def consts(self) -> dict:
         return dict(H=self.H, G=self.G, K=self.K, V=self.V, C=self.C, BK=self.BK, BV=self.BV,
-                    PREC=self.prec, num_warps=self.warps, num_stages=self.stages)
+                    PREC=self.prec, IS_VARLEN=self.varlen, num_warps=self.warps, num_stages=self.stages)
 
     def wy_consts(self) -> dict:
         """:meth:`consts` for the WY kernels (their own value block and warps, see ``bvw``)."""
@@ -271,7 +329,7 @@ class _Config:
         fixed = {k: v for k, v in self.consts().items() if k in tuned}
         if delta_rule_common.SPLIT_STATE:
             whole, fixed = split, split_fixed(self.BK)
-        return whole, (lambda meta: (self.B * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
+        return whole, (lambda meta: (self.S * self.H, triton.cdiv(self.V, meta["BV"]))), consts, fixed
 
     def buf(self, *shape: int, dtype=torch.float32) -> torch.Tensor:
         return launch.empty(shape, dtype, self.device)
@@ -288,38 +346,38 @@ def _recompute_states(cfg: _Config, k, v, beta, log_a, initial_state, tm=None):
     if not has_tm:
         tm = cfg.buf(B, T, H, C, dtype=k.dtype)
     w, u = cfg.buf(B, T, H, K, dtype=k.dtype), cfg.buf(B, T, H, V)
-    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, HAS_TM=has_tm, **cfg.wy_consts())
-    h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(B, H, K, V)
+    _wy_fwd_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, T, cfg.cu, cfg.ci, HAS_TM=has_tm, **cfg.wy_consts())
+    h, vn, ht = cfg.buf(B, H, N, K, V), cfg.buf(B, T, H, V), cfg.buf(cfg.S, H, K, V)
     h0 = initial_state if initial_state is not None else ht  # dummy pointer when absent
     kernel, grid, consts, fixed = cfg.state_launch(_state_fwd, _state_fwd_split)
-    launch.run(kernel, grid, k, w, u, log_a, h0, h, vn, ht, T, N,
+    launch.run(kernel, grid, k, w, u, log_a, h0, h, vn, ht, T, N, cfg.cu, cfg.co,
                HAS_H0=initial_state is not None, N_INTERP=cfg.n_interp, fixed=fixed, **consts)
     return tm, w, u, h, vn, ht
 
 
 class _ChunkDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_a, beta, initial_state, scale, chunk_size):
-        cfg = _Config(q, v, chunk_size)
+    def forward(ctx, q, k, v, log_a, beta, initial_state, scale, chunk_size, varlen):
+        cfg = _Config(q, v, chunk_size, varlen)
         tm, _, _, h, vn, ht = _recompute_states(cfg, k, v, beta, log_a, initial_state)
         o = cfg.buf(cfg.B, cfg.T, cfg.H, cfg.V, dtype=v.dtype)
         _output_kernel[(cfg.N, cfg.B * cfg.H, cfg.NV)](q, k, log_a, h, vn, o, scale, cfg.T, cfg.N,
-                                                        **cfg.consts())
+                                                        cfg.cu, cfg.ci, **cfg.consts())
         # Tm ([B, T, H, C] in the inputs' dtype: C/V of v's bytes, C · 2 B per token and value head
         # for 16-bit inputs) is kept, as fla keeps its A: the backward's recompute then skips A's
         # dots and the inverse
         ctx.save_for_backward(q, k, v, log_a, beta, initial_state, tm)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.varlen = scale, chunk_size, varlen
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, log_a, beta, initial_state, tm = ctx.saved_tensors
-        cfg = _Config(q, v, ctx.chunk_size)
+        cfg = _Config(q, v, ctx.chunk_size, ctx.varlen)
         states = _recompute_states(cfg, k, v, beta, log_a, initial_state, tm=tm)
         dq, dk, dv, dla, dbeta, dh0 = delta_rule_backward(
             cfg, q, k, v, log_a, beta, states, do.contiguous(), dht, ctx.scale)
-        return dq, dk, dv, dla, dbeta, (dh0 if initial_state is not None else None), None, None
+        return dq, dk, dv, dla, dbeta, (dh0 if initial_state is not None else None), None, None, None
 
 
 def chunk_delta_rule(
@@ -333,6 +391,7 @@ def chunk_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise gated delta rule, Triton kernels (forward and backward); same contract as the reference.
 
@@ -347,13 +406,21 @@ def chunk_delta_rule(
         initial_state: ``[B, H, K, V]`` (float32 is used inside) or None (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: 16, 32 or 64 (any other value runs with 64; the result is the same function).
+        cu_seqlens: None, or int32 ``[N + 1]`` boundaries of ``N`` documents packed in one row
+            (``B = 1``, :mod:`hybridzoo.kernels.varlen`): each document runs alone from
+            ``initial_state[n]`` (``[N, H, K, V]``) and ``final_state`` is ``[N, H, K, V]``. Each
+            document has its own chunk grid (a chunk never spans two documents; the last chunk
+            of a document is partial, masked in the kernels: documents are not padded).
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``. Gradients flow
         to q, k, v, log_a, beta and initial_state, and from final_state. For the backward it keeps
         the inputs and the ``[B, T, H, C]`` triangular inverse (v's dtype; ``C`` = 64 on a GPU).
     """
-    _check(q, k, v, log_a, beta, initial_state, step=False)
+    _check(q, k, v, log_a, beta, initial_state if cu_seqlens is None else None, step=False)
+    if cu_seqlens is not None:
+        cu_seqlens = check_packed("triton chunk_delta_rule", cu_seqlens, v, initial_state,
+                                  (v.shape[2], q.shape[-1], v.shape[-1]))
     if q.device.type != "cuda" and not launch.interpret():
         raise ValueError("triton chunk_delta_rule needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "importing triton); use backend='reference' on the CPU")
@@ -370,7 +437,7 @@ def chunk_delta_rule(
     B, T, Hk, K = q.shape
     H, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
-    if T == 0:
+    if T == 0:  # (never packed: cu_seqlens has a document of at least one token)
         state = (torch.zeros(B, H, K, V, dtype=torch.float32, device=v.device) if initial_state is None
                  else initial_state.float())
         return v.new_zeros(v.shape), (state if output_final_state else None)
@@ -380,6 +447,7 @@ def chunk_delta_rule(
         log_a_in = log_a.contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
     q, k = q.to(v.dtype), k.to(v.dtype)  # the dots' precision follows v (see _Config.prec)
+    varlen = None if cu_seqlens is None else chunk_grid(cu_seqlens, _chunk(chunk_size))
     o, final_state = _ChunkDeltaRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_a_in,
-                                           beta.contiguous(), h0, scale, chunk_size)
+                                           beta.contiguous(), h0, scale, chunk_size, varlen)
     return o, (final_state if output_final_state else None)

@@ -21,6 +21,10 @@ per-position terms ``dg`` (row sums minus column sums of ``dΓ ⊙ Γ``, ``dγ �
 sum inside the chunk: no long subtraction, and decay values of 0 (resets) give finite gradients.
 
 Per value head ``dq, dk`` are float32 buffers summed over each q/k head's group in torch.
+
+Packed documents (``cu_seqlens``): the same ``IS_VARLEN`` branch as the forward's kernels (each
+document its own chunk grid; the state backward walks each document's chunks in reverse, from
+its final state's gradient to its initial state's).
 """
 
 from __future__ import annotations
@@ -32,20 +36,22 @@ import triton.language as tl
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule_split import _state_bwd_split
 from hybridzoo.kernels.triton.delta_rule_common import (STATE_CONFIGS, STATE_KEY, _chunk_decays, _chunk_rows,
-                                                        _cols_block, _dot, _load_rows, _put, _rows_block,
-                                                        _state_block, _state_block_t, _state_decays, _store_rows,
-                                                        _tile, prune_state_configs)
+                                                        _chunk_span, _cols_block, _dot, _load_rows, _put,
+                                                        _rows_block, _state_block, _state_block_t, _state_decays,
+                                                        _state_span, _store_rows, _tile, prune_state_configs)
 
 
 @triton.jit
-def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
+def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T, cu_ptr, ci_ptr,
                      H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
     """The in-chunk part of dVn: ``scale · (Q Kᵀ ⊙ Γ)ᵀ dO``."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, rows_k = _chunk_rows(b, h, i_n, T, H, G, C)
+    t0, end = _chunk_span(i_n, T, cu_ptr, ci_ptr, C, IS_VARLEN)
+    mask_t, rows, rows_k = _chunk_rows(b, h, t0, end, H, G, C)
     offs_k, offs_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     query = _load_rows(q_ptr, rows_k, K, offs_k, mask_t, K)
     key = _load_rows(k_ptr, rows_k, K, offs_k, mask_t, K)
@@ -58,11 +64,12 @@ def _dv_local_kernel(q_ptr, k_ptr, la_ptr, do_ptr, dv_ptr, scale, T,
 
 @triton.jit
 def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_ptr, dh0_ptr,
-                      scale, T, N,
+                      scale, T, N, cu_ptr, co_ptr,
                       H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
-    """Reverse over chunks for one (batch, head, V-block): stores ``dS1`` of each chunk in
+                      HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """Reverse over chunks for one (batch or document, head, V-block): stores ``dS1`` of each chunk in
     ``dh [B, H, N, K, V]``, turns the local dVn (in ``dv``) into the full dVn in place, and
     writes the initial state's gradient. As in the forward's state kernel: pointer tiles (value-wide
     ones from the head's base, ``HEAD_BASE``), dot
@@ -70,25 +77,26 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
     to the chunk-by-value side of its dot (``(e ⊙ K) dS = e ⊙ (K dS)``), so no key-wide float32
     tile is held."""
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
-    b, h = i_bh // H, i_bh % H
+    b, h, bos, end, n_chunks, h_row = _state_span(i_bh, T, N, cu_ptr, co_ptr, H, C, N_INTERP, IS_VARLEN)
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
     if HAS_DHT:
         dstate = _tile(_state_block(dht_ptr, s_base, K, V, i_v, BK, BV)).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(0, N_INTERP if N_INTERP > 0 else N):
-        i_n = N - 1 - i
-        _put(_state_block(dh_ptr, (i_bh.to(tl.int64) * N + i_n) * K * V, K, V, i_v, BK, BV), dstate)
-        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
-        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)
+    for i in range(0, n_chunks):
+        i_n = n_chunks - 1 - i
+        t0 = bos + i_n * C
+        _put(_state_block(dh_ptr, (h_row + i_n) * K * V, K, V, i_v, BK, BV), dstate)
+        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, t0, end, H, C)
+        key = _tile(_rows_block(k_ptr, b, h // G, t0, end, H // G, K, C, 0, BK))
+        dv_block = _rows_block(dv_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)
         dvn = _tile(dv_block).to(tl.float32)
         dvn += _dot(key, dstate, DT, PREC) * gamma_out[:, None]
         _put(dv_block, dvn)
-        query_t = _tile(_cols_block(q_ptr, b, h // G, i_n, T, H // G, K, C, 0, BK))
-        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
-        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, 0, BK))
+        query_t = _tile(_cols_block(q_ptr, b, h // G, t0, end, H // G, K, C, 0, BK))
+        do = _tile(_rows_block(do_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+        w_t = _tile(_cols_block(w_ptr, b, h, t0, end, H, K, C, 0, BK))
         dstate = dstate * gamma_chunk
         dstate += _dot(query_t, do * (gamma_in * scale)[:, None], DT, PREC)
         dstate -= _dot(w_t, dvn, DT, PREC)
@@ -97,9 +105,10 @@ def _state_bwd_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_p
 
 @triton.jit
 def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
-                   dq_ptr, dk_ptr, dw_ptr, dg_ptr, scale, T, N,
+                   dq_ptr, dk_ptr, dw_ptr, dg_ptr, scale, T, N, cu_ptr, ci_ptr,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
     """Per chunk, value head and block of ``BK`` key columns: dq (final), dk's read/write parts and
     dW in those columns, and those columns' share of the decay terms dg (every dg term is a sum
     over key columns: the launch adds the blocks' shares). Pointer tiles, dot
@@ -108,7 +117,8 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
+    t0, end = _chunk_span(i_n, T, cu_ptr, ci_ptr, C, IS_VARLEN)
+    mask_t, rows, _ = _chunk_rows(b, h, t0, end, H, G, C)
     offs_c = tl.arange(0, C)
     state_base = (i_bh.to(tl.int64) * N + i_n) * K * V
     k0 = i_k * BK
@@ -121,24 +131,24 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
     for i_v in range(0, tl.cdiv(V, BV)):
         s0_t = _tile(_state_block_t(h_ptr, state_base, K, V, i_v, BK, BV, k0))
         ds1_t = _tile(_state_block_t(dh_ptr, state_base, K, V, i_v, BK, BV, k0))
-        vn = _tile(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        vn = _tile(_rows_block(vn_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
+        dvn = _tile(_rows_block(dvn_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
+        do = _tile(_rows_block(do_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
         dq_acc += _dot(do, s0_t, DT, PREC)
         dw -= _dot(dvn, s0_t, DT, PREC)
         dk_end += _dot(vn, ds1_t, DT, PREC)
         do_vn += _dot(do, tl.trans(vn), DT, PREC)
         dgamma_chunk += tl.sum(s0_t.to(tl.float32) * ds1_t.to(tl.float32), axis=0)
 
-    query = _tile(_rows_block(q_ptr, b, h // G, i_n, T, H // G, K, C, k0, BK))
-    key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, k0, BK))
+    query = _tile(_rows_block(q_ptr, b, h // G, t0, end, H // G, K, C, k0, BK))
+    key = _tile(_rows_block(k_ptr, b, h // G, t0, end, H // G, K, C, k0, BK))
     gamma_mat, gamma_in, gamma_out, gamma_chunk = _chunk_decays(la_ptr, rows, mask_t, C)
     ds_mat = do_vn * gamma_mat * scale              # dScores ⊙ Γ (lower, diagonal included)
     dq = dq_acc * (gamma_in * scale)[:, None] + _dot(ds_mat, key, DT, PREC)
     dk = _dot(tl.trans(ds_mat), query, DT, PREC) + dk_end * gamma_out[:, None]
-    _put(_rows_block(dq_ptr, b, h, i_n, T, H, K, C, k0, BK), dq)
-    _put(_rows_block(dk_ptr, b, h, i_n, T, H, K, C, k0, BK), dk)
-    _put(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, k0, BK), dw)
+    _put(_rows_block(dq_ptr, b, h, t0, end, H, K, C, k0, BK), dq)
+    _put(_rows_block(dk_ptr, b, h, t0, end, H, K, C, k0, BK), dk)
+    _put(_rows_block(dw_ptr, b, h, t0, end, H, K, C, k0, BK), dw)
 
     m = ds_mat * _dot(query, tl.trans(key), DT, PREC)   # dΓ ⊙ Γ from the read
     dgamma_in = tl.sum(query.to(tl.float32) * dq_acc, axis=1) * scale
@@ -152,48 +162,49 @@ def _bwd_qk_kernel(q_ptr, k_ptr, la_ptr, h_ptr, dh_ptr, vn_ptr, dvn_ptr, do_ptr,
 
 @triton.jit
 def _bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, la_ptr, tm_ptr, w_ptr, u_ptr, dvn_ptr, dw_ptr, dg_ptr,
-                   dk_ptr, dv_ptr, dbeta_ptr, dla_ptr, T, N,
+                   dk_ptr, dv_ptr, dbeta_ptr, dla_ptr, T, N, cu_ptr, ci_ptr,
                    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk and value head: gradients through ``W, U0 = (I + A)⁻¹ [diag(βγ) K | diag(β) V]``;
     finishes dk (adds to the partial dk of _bwd_qk_kernel), writes dv, dβ and d log_a.
     Keys are visited in blocks of ``BKW`` (twice: dA needs every key before dk can be finished)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
-    mask_t, rows, _ = _chunk_rows(b, h, i_n, T, H, G, C)
+    t0, end = _chunk_span(i_n, T, cu_ptr, ci_ptr, C, IS_VARLEN)
+    mask_t, rows, _ = _chunk_rows(b, h, t0, end, H, G, C)
     offs_c = tl.arange(0, C)
 
-    tm_t = _tile(_cols_block(tm_ptr, b, h, i_n, T, H, C, C, 0, C))  # Tmᵀ
+    tm_t = _tile(_cols_block(tm_ptr, b, h, t0, end, H, C, C, 0, C))  # Tmᵀ
     beta = tl.load(beta_ptr + rows, mask=mask_t, other=0.0).to(tl.float32)
     gamma_mat, gamma_in, _, _ = _chunk_decays(la_ptr, rows, mask_t, C)
     da = tl.zeros([C, C], dtype=tl.float32)         # dX_V U0ᵀ + dX_K Wᵀ (negated below)
     dbeta = tl.zeros([C], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
-        dvn = _tile(_rows_block(dvn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
+        dvn = _tile(_rows_block(dvn_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
         dxv = _dot(tm_t, dvn, DT, PREC)
-        value = _tile(_rows_block(v_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        u_t = _tile(_cols_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV))
-        _put(_rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV), dxv * beta[:, None])
+        value = _tile(_rows_block(v_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
+        u_t = _tile(_cols_block(u_ptr, b, h, t0, end, H, V, C, i_v * BV, BV))
+        _put(_rows_block(dv_ptr, b, h, t0, end, H, V, C, i_v * BV, BV), dxv * beta[:, None])
         dbeta += tl.sum(value.to(tl.float32) * dxv, axis=1)
         da += _dot(dxv, u_t, DT, PREC)
 
     kk = tl.zeros([C, C], dtype=tl.float32)         # K Kᵀ
     rk = tl.zeros([C], dtype=tl.float32)            # Σ_k K ⊙ dX_K
     for i_k in range(0, tl.cdiv(K, BKW)):
-        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, i_k * BKW, BKW))
-        w_t = _tile(_cols_block(w_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW))
-        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)), DT, PREC)
+        key = _tile(_rows_block(k_ptr, b, h // G, t0, end, H // G, K, C, i_k * BKW, BKW))
+        w_t = _tile(_cols_block(w_ptr, b, h, t0, end, H, K, C, i_k * BKW, BKW))
+        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, t0, end, H, K, C, i_k * BKW, BKW)), DT, PREC)
         da += _dot(dxk, w_t, DT, PREC)
         kk += _dot(key, tl.trans(key), DT, PREC)
         rk += tl.sum(key.to(tl.float32) * dxk, axis=1)
     da = tl.where(offs_c[:, None] > offs_c[None, :], -da, 0.0)
     p = da * gamma_mat                               # dA ⊙ Γ
     for i_k in range(0, tl.cdiv(K, BKW)):
-        key = _tile(_rows_block(k_ptr, b, h // G, i_n, T, H // G, K, C, i_k * BKW, BKW))
-        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)), DT, PREC)
-        dk_block = _rows_block(dk_ptr, b, h, i_n, T, H, K, C, i_k * BKW, BKW)
+        key = _tile(_rows_block(k_ptr, b, h // G, t0, end, H // G, K, C, i_k * BKW, BKW))
+        dxk = _dot(tm_t, _tile(_rows_block(dw_ptr, b, h, t0, end, H, K, C, i_k * BKW, BKW)), DT, PREC)
+        dk_block = _rows_block(dk_ptr, b, h, t0, end, H, K, C, i_k * BKW, BKW)
         dk = _tile(dk_block)
         dk += dxk * (beta * gamma_in)[:, None]
         dk += _dot(p, key, DT, PREC) * beta[:, None]
@@ -222,23 +233,23 @@ def delta_rule_backward(cfg, q, k, v, log_a, beta, states, do, dht, scale):
     B, T, H, Hk, K, V, C, N = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V, cfg.C, cfg.N
     consts = cfg.consts()
     dvn = cfg.buf(B, T, H, V)
-    _dv_local_kernel[(N, B * H, cfg.NV)](q, k, log_a, do, dvn, scale, T, **consts)
-    dh, dh0 = cfg.buf(B, H, N, K, V), cfg.buf(B, H, K, V)
+    _dv_local_kernel[(N, B * H, cfg.NV)](q, k, log_a, do, dvn, scale, T, cfg.cu, cfg.ci, **consts)
+    dh, dh0 = cfg.buf(B, H, N, K, V), cfg.buf(cfg.S, H, K, V)
     has_dht = dht is not None
     dht = dht.float().contiguous() if has_dht else dh0
     kernel, grid, state_consts, fixed = cfg.state_launch(_state_bwd, _state_bwd_split)
-    launch.run(kernel, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N,
+    launch.run(kernel, grid, q, k, w, log_a, do, dvn, dht, dh, dh0, scale, T, N, cfg.cu, cfg.co,
                HAS_DHT=has_dht, N_INTERP=cfg.n_interp, fixed=fixed, **state_consts)
     dq, dk, dw = cfg.buf(B, T, H, K), cfg.buf(B, T, H, K), cfg.buf(B, T, H, K)
     nk = triton.cdiv(K, cfg.bkw)  # key blocks of the WY kernels' width (64 on a GPU)
     dg = cfg.buf(nk, B, H, N * C)
     _bwd_qk_kernel[(N, B * H, nk)](q, k, log_a, h, dh, vn, dvn, do, dq, dk, dw, dg, scale, T, N,
-                                   **cfg.qk_consts())
+                                   cfg.cu, cfg.ci, **cfg.qk_consts())
     dg = dg[0] if nk == 1 else dg.sum(0)
     dv = cfg.buf(B, T, H, V, dtype=v.dtype)
     dbeta, dla = cfg.buf(B, T, H), cfg.buf(B, T, H)
     _bwd_wy_kernel[(N, B * H)](k, v, beta, log_a, tm, w, u, dvn, dw, dg, dk, dv, dbeta, dla, T, N,
-                               **cfg.wy_consts())
+                               cfg.cu, cfg.ci, **cfg.wy_consts())
     dq = launch.sum_head_groups(dq, Hk, q.dtype)
     dk = launch.sum_head_groups(dk, Hk, k.dtype)
     return dq, dk, dv, dla.to(log_a.dtype), dbeta.to(beta.dtype), dh0

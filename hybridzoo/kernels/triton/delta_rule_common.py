@@ -47,13 +47,13 @@ def _chunk_decays(la_ptr, rows, mask_t, C: tl.constexpr):
 
 
 @triton.jit
-def _state_decays(la_ptr, b, h, i_n, T, H: tl.constexpr, C: tl.constexpr):
+def _state_decays(la_ptr, b, h, t0, T, H: tl.constexpr, C: tl.constexpr):
     """``(γ [C], e [C], γ_C)`` of :func:`_chunk_decays` without its ``[C, C]`` tiles, for the
     sequential state kernels (whose registers those tiles made spill): ``e_r = exp(Σ_{s>r} log a_s)``
     as a reverse cumulative sum of the next tokens' log decays (read shifted by one token, so no
-    subtraction: -inf safe)."""
+    subtraction: -inf safe). The chunk starts at token ``t0``; tokens from ``T`` on are masked."""
     r = tl.arange(0, C)
-    offs_t = i_n * C + r
+    offs_t = t0 + r
     rows = (b.to(tl.int64) * T + offs_t) * H + h
     la = tl.load(la_ptr + rows, mask=offs_t < T, other=0.0).to(tl.float32)
     la_next = tl.load(la_ptr + rows + H, mask=(r < C - 1) & (offs_t + 1 < T), other=0.0).to(tl.float32)
@@ -64,10 +64,55 @@ def _state_decays(la_ptr, b, h, i_n, T, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows(b, h, i_n, T, H: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
-    """Chunk ``i_n`` of (batch ``b``, value head ``h``): the mask of its ``C`` token positions, and
-    the row indices of ``[B, T, H, ·]`` tensors and of the q/k tensors ``[B, T, H // G, ·]`` (int64)."""
-    offs_t = i_n * C + tl.arange(0, C)
+def _chunk_span(i_n, T, cu_ptr, ci_ptr, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk ``i_n`` of a chunk-parallel grid: ``(t0, end)``, its first token and the token its
+    masks stop at. ``(i_n · C, T)``; with packed documents (``IS_VARLEN``; ``ci [n_chunks, 2]``
+    int32 (document, chunk within it), ``cu [N + 1]`` int32 cumulative lengths, batch 1) the
+    document's ``bos + c · C`` and ``eos``: each document has its own chunk grid, its last
+    chunk partial, masked at ``eos`` (documents are not padded)."""
+    if IS_VARLEN:
+        i_doc = tl.load(ci_ptr + 2 * i_n)
+        t0 = tl.load(cu_ptr + i_doc) + tl.load(ci_ptr + 2 * i_n + 1) * C
+        end = tl.load(cu_ptr + i_doc + 1)
+    else:
+        t0 = i_n * C
+        end = T
+    return t0, end
+
+
+@triton.jit
+def _state_span(i_bh, T, N, cu_ptr, co_ptr, H: tl.constexpr, C: tl.constexpr, N_INTERP: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """Program ``i_bh`` of a sequential state kernel (grid ``(B · H or N_doc · H, V blocks)``):
+    ``(b, h, bos, end, n_chunks, h_row)``: batch and value head, the first token and the mask end
+    of its sequence, its chunk count, and ``h_row`` such that its ``c``-th chunk's state sits at
+    ``(h_row + c) · K · V`` in ``h [B, H, N, K, V]``. ``(i_bh // H, i_bh % H, 0, T, N, i_bh · N)``;
+    with packed documents (``IS_VARLEN``, ``co [N_doc + 1]`` int32 first chunk of each document in
+    the global chunk grid) program ``i_bh`` walks document ``i_bh // H``: batch 0,
+    ``cu[d], cu[d + 1]``, ``cdiv(len, C)`` chunks, ``h · N + co[d]``."""
+    h = i_bh % H
+    if IS_VARLEN:
+        i_doc = i_bh // H
+        bos = tl.load(cu_ptr + i_doc)
+        end = tl.load(cu_ptr + i_doc + 1)
+        b = i_doc * 0
+        n_chunks = tl.cdiv(end - bos, C)
+        h_row = h.to(tl.int64) * N + tl.load(co_ptr + i_doc)
+    else:
+        b = i_bh // H
+        bos = 0
+        end = T
+        n_chunks = N_INTERP if N_INTERP > 0 else N
+        h_row = i_bh.to(tl.int64) * N
+    return b, h, bos, end, n_chunks, h_row
+
+
+@triton.jit
+def _chunk_rows(b, h, t0, T, H: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
+    """The chunk from token ``t0`` of (batch ``b``, value head ``h``): the mask of its ``C`` token
+    positions (those before ``T``), and the row indices of ``[B, T, H, ·]`` tensors and of the q/k
+    tensors ``[B, T, H // G, ·]`` (int64)."""
+    offs_t = t0 + tl.arange(0, C)
     mask_t = offs_t < T
     rows = (b.to(tl.int64) * T + offs_t) * H + h
     rows_k = (b.to(tl.int64) * T + offs_t) * (H // G) + h // G
@@ -96,11 +141,12 @@ def _store_rows(ptr, rows, width, offs, mask_t, D: tl.constexpr, x):
 
 
 @triton.jit
-def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
+def _rows_block(ptr, b, h, t0, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
                 offset, BW: tl.constexpr, HEAD_BASE: tl.constexpr = False):
-    """Chunk ``i_n``'s ``[C, BW]`` tile (columns from ``offset``) of head ``h`` of batch ``b`` in a
-    ``[B, T, HEADS, WIDTH]`` tensor, as ``(pointers, mask)`` for :func:`_tile` and :func:`_put`
-    (the mask: rows before ``T``, columns before ``WIDTH``). These pointer tiles replaced block
+    """The ``[C, BW]`` tile of the chunk from token ``t0`` (columns from ``offset``) of head ``h``
+    of batch ``b`` in a ``[B, T, HEADS, WIDTH]`` tensor, as ``(pointers, mask)`` for :func:`_tile`
+    and :func:`_put` (the mask: rows before ``T``, columns before ``WIDTH``; packed documents pass
+    ``b = 0`` and their document's end as ``T``). These pointer tiles replaced block
     pointers (``tl.make_block_ptr``), which Triton 3.9 removed.
 
     Two address forms, chosen per tile by what ptxas makes of them (sm_90, K 128, V 256,
@@ -116,12 +162,11 @@ def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: 
     benchmarks/results/2026-12-01-delta-rule-pointer-tiles-spills-sm90.json."""
     if HEAD_BASE:
         base = ptr + (b.to(tl.int64) * T * HEADS + h) * WIDTH
-        r = (i_n * C + tl.arange(0, C)).to(tl.int64)
+        r = (t0 + tl.arange(0, C)).to(tl.int64)
         c = (offset + tl.arange(0, BW)).to(tl.int64)
         ptrs = base + (r[:, None] * (HEADS * WIDTH) + c[None, :])
         mask = (r[:, None] < T) & (c[None, :] < WIDTH)
     else:
-        t0 = i_n * C
         base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
         r, c = tl.arange(0, C), tl.arange(0, BW)
         ptrs = base + r[:, None] * (HEADS * WIDTH) + c[None, :]
@@ -130,12 +175,11 @@ def _rows_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: 
 
 
 @triton.jit
-def _cols_block(ptr, b, h, i_n, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
+def _cols_block(ptr, b, h, t0, T, HEADS: tl.constexpr, WIDTH: tl.constexpr, C: tl.constexpr,
                 offset, BW: tl.constexpr):
     """:func:`_rows_block`'s tile transposed, ``[BW, C]`` (columns from ``offset``; the same
     arguments but ``HEAD_BASE``, int32 offsets): a dot's left operand read in the layout the dot
     takes, not transposed in registers."""
-    t0 = i_n * C
     base = ptr + ((b.to(tl.int64) * T + t0) * HEADS + h) * WIDTH + offset
     r, c = tl.arange(0, C), tl.arange(0, BW)
     ptrs = base + c[:, None] + r[None, :] * (HEADS * WIDTH)
@@ -193,7 +237,7 @@ def _state_block_t(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.cons
 SPLIT_STATE = os.environ.get("HYBRIDZOO_SPLIT_STATE", "1") != "0"
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
                  for bv, warps, stages in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (64, 8, 2))]
-STATE_KEY = ["H", "G", "K", "V", "C", "PREC"]
+STATE_KEY = ["H", "G", "K", "V", "C", "PREC", "IS_VARLEN"]
 
 
 def value_tile_floor(bk: int, dtype: torch.dtype) -> int:

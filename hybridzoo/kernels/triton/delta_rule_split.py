@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.delta_rule_common import (_cols_block, _dot, _put, _rows_block, _state_block,
-                                                        _state_decays, _tile)
+                                                        _state_decays, _state_span, _tile)
 
 # Candidates of the split kernels, by what they cost in registers when compiled for sm_90 with
 # Triton 3.7.1 (scripts/kernel_resources.py; spill stores per thread, forward / backward, bf16,
@@ -101,98 +101,103 @@ def _put_pieces(ptr, base, K: tl.constexpr, V: tl.constexpr, i_v, BK: tl.constex
 
 
 @triton.jit
-def _rows_times_pieces(ptr, b, h, i_n, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+def _rows_times_pieces(ptr, b, h, t0, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                        BK: tl.constexpr, BKS: tl.constexpr, p0, p1, p2, p3, DT: tl.constexpr,
                        PREC: tl.constexpr):
-    """``X S`` as ``Σ_i X_i p_i``: ``X_i`` the ``[C, BKS]`` column piece ``i`` of chunk ``i_n``'s
+    """``X S`` as ``Σ_i X_i p_i``: ``X_i`` the ``[C, BKS]`` column piece ``i`` of the chunk from ``t0``'s
     ``[C, K]`` rows of head ``h`` in the ``[B, T, HEADS, K]`` tensor at ``ptr``. ``[C, BV]`` float32."""
-    acc = _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 0, BKS)), p0, DT, PREC)
+    acc = _dot(_tile(_rows_block(ptr, b, h, t0, T, HEADS, K, C, 0, BKS)), p0, DT, PREC)
     if BK > 64:
-        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 64, BKS)), p1, DT, PREC)
+        acc += _dot(_tile(_rows_block(ptr, b, h, t0, T, HEADS, K, C, 64, BKS)), p1, DT, PREC)
     if BK > 128:
-        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 128, BKS)), p2, DT, PREC)
-        acc += _dot(_tile(_rows_block(ptr, b, h, i_n, T, HEADS, K, C, 192, BKS)), p3, DT, PREC)
+        acc += _dot(_tile(_rows_block(ptr, b, h, t0, T, HEADS, K, C, 128, BKS)), p2, DT, PREC)
+        acc += _dot(_tile(_rows_block(ptr, b, h, t0, T, HEADS, K, C, 192, BKS)), p3, DT, PREC)
     return acc
 
 
 @triton.jit
-def _pieces_plus_cols(ptr, b, h, i_n, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+def _pieces_plus_cols(ptr, b, h, t0, T, HEADS: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                       BK: tl.constexpr, BKS: tl.constexpr, p0, p1, p2, p3, decay, rhs, DT: tl.constexpr,
                       PREC: tl.constexpr):
     """``decay · S + Xᵀ rhs`` piece by piece: ``p_i ← decay · p_i + X_iᵀ rhs``, ``X_iᵀ`` read
     transposed (``[BKS, C]``) from the rows :func:`_rows_times_pieces` reads; ``rhs [C, BV]``."""
-    p0 = p0 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 0, BKS)), rhs, DT, PREC)
+    p0 = p0 * decay + _dot(_tile(_cols_block(ptr, b, h, t0, T, HEADS, K, C, 0, BKS)), rhs, DT, PREC)
     if BK > 64:
-        p1 = p1 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 64, BKS)), rhs, DT, PREC)
+        p1 = p1 * decay + _dot(_tile(_cols_block(ptr, b, h, t0, T, HEADS, K, C, 64, BKS)), rhs, DT, PREC)
     if BK > 128:
-        p2 = p2 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 128, BKS)), rhs, DT, PREC)
-        p3 = p3 * decay + _dot(_tile(_cols_block(ptr, b, h, i_n, T, HEADS, K, C, 192, BKS)), rhs, DT, PREC)
+        p2 = p2 * decay + _dot(_tile(_cols_block(ptr, b, h, t0, T, HEADS, K, C, 128, BKS)), rhs, DT, PREC)
+        p3 = p3 * decay + _dot(_tile(_cols_block(ptr, b, h, t0, T, HEADS, K, C, 192, BKS)), rhs, DT, PREC)
     return p0, p1, p2, p3
 
 
 @triton.jit
-def _state_fwd_split_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N,
+def _state_fwd_split_kernel(k_ptr, w_ptr, u_ptr, la_ptr, h0_ptr, h_ptr, vn_ptr, ht_ptr, T, N, cu_ptr, co_ptr,
                             H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
-    """Sequential over chunks for one (batch, head, V-block), the state in 64-row pieces
-    ``s0..s3``: stores the state entering each chunk (``h [B, H, N, K, V]``), ``Vn = U0 − W S0``
-    and the final state."""
+                            HAS_H0: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr,
+                            IS_VARLEN: tl.constexpr):
+    """Sequential over chunks for one (batch or document, head, V-block), the state in 64-row
+    pieces ``s0..s3``: stores the state entering each chunk (``h [B, H, N, K, V]``),
+    ``Vn = U0 − W S0`` and the final state (:func:`_state_span`: a packed document's chunks from
+    its own initial state)."""
     BKS: tl.constexpr = 64 if BK > 64 else BK
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
-    b, h = i_bh // H, i_bh % H
+    b, h, bos, end, n_chunks, h_row = _state_span(i_bh, T, N, cu_ptr, co_ptr, H, C, N_INTERP, IS_VARLEN)
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
     s0, s1, s2, s3 = _pieces(h0_ptr, s_base, K, V, i_v, BK, BKS, BV, HAS_H0)
-    for i_n in range(0, N_INTERP if N_INTERP > 0 else N):
-        h_base = (i_bh.to(tl.int64) * N + i_n) * K * V
-        u = _tile(_rows_block(u_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+    for i_n in range(0, n_chunks):
+        t0 = bos + i_n * C
+        h_base = (h_row + i_n) * K * V
+        u = _tile(_rows_block(u_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         _put_pieces(h_ptr, h_base, K, V, i_v, BK, BKS, BV, s0, s1, s2, s3)
-        vn = u - _rows_times_pieces(w_ptr, b, h, i_n, T, H, K, C, BK, BKS, s0, s1, s2, s3, DT, PREC)
-        _put(_rows_block(vn_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True), vn)
-        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
-        s0, s1, s2, s3 = _pieces_plus_cols(k_ptr, b, h // G, i_n, T, H // G, K, C, BK, BKS, s0, s1, s2, s3,
+        vn = u - _rows_times_pieces(w_ptr, b, h, t0, end, H, K, C, BK, BKS, s0, s1, s2, s3, DT, PREC)
+        _put(_rows_block(vn_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True), vn)
+        _, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, t0, end, H, C)
+        s0, s1, s2, s3 = _pieces_plus_cols(k_ptr, b, h // G, t0, end, H // G, K, C, BK, BKS, s0, s1, s2, s3,
                                            gamma_chunk, vn * gamma_out[:, None], DT, PREC)
     _put_pieces(ht_ptr, s_base, K, V, i_v, BK, BKS, BV, s0, s1, s2, s3)
 
 
 @triton.jit
 def _state_bwd_split_kernel(q_ptr, k_ptr, w_ptr, la_ptr, do_ptr, dv_ptr, dht_ptr, dh_ptr, dh0_ptr,
-                            scale, T, N,
+                            scale, T, N, cu_ptr, co_ptr,
                             H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr):
-    """Reverse over chunks for one (batch, head, V-block), the state's gradient in 64-row pieces
-    ``d0..d3``: stores ``dS1`` of each chunk in ``dh [B, H, N, K, V]``, turns the local dVn (in
-    ``dv``) into the full dVn in place, and writes the initial state's gradient."""
+                            HAS_DHT: tl.constexpr, N_INTERP: tl.constexpr, PREC: tl.constexpr,
+                            IS_VARLEN: tl.constexpr):
+    """Reverse over chunks for one (batch or document, head, V-block), the state's gradient in
+    64-row pieces ``d0..d3``: stores ``dS1`` of each chunk in ``dh [B, H, N, K, V]``, turns the
+    local dVn (in ``dv``) into the full dVn in place, and writes the initial state's gradient."""
     BKS: tl.constexpr = 64 if BK > 64 else BK
     i_bh, i_v = tl.program_id(0), tl.program_id(1)
-    b, h = i_bh // H, i_bh % H
+    b, h, bos, end, n_chunks, h_row = _state_span(i_bh, T, N, cu_ptr, co_ptr, H, C, N_INTERP, IS_VARLEN)
     DT = k_ptr.dtype.element_ty  # dot operand dtype: the inputs' (q, k cast to v's)
     s_base = i_bh.to(tl.int64) * K * V
     d0, d1, d2, d3 = _pieces(dht_ptr, s_base, K, V, i_v, BK, BKS, BV, HAS_DHT)
     hk, Hk = h // G, H // G
-    for i in range(0, N_INTERP if N_INTERP > 0 else N):
-        i_n = N - 1 - i
-        h_base = (i_bh.to(tl.int64) * N + i_n) * K * V
-        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, i_n, T, H, C)
-        dv_block = _rows_block(dv_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)
-        do = _tile(_rows_block(do_ptr, b, h, i_n, T, H, V, C, i_v * BV, BV, True)).to(tl.float32)
+    for i in range(0, n_chunks):
+        i_n = n_chunks - 1 - i
+        t0 = bos + i_n * C
+        h_base = (h_row + i_n) * K * V
+        gamma_in, gamma_out, gamma_chunk = _state_decays(la_ptr, b, h, t0, end, H, C)
+        dv_block = _rows_block(dv_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)
+        do = _tile(_rows_block(do_ptr, b, h, t0, end, H, V, C, i_v * BV, BV, True)).to(tl.float32)
         do = do * (gamma_in * scale)[:, None]
         # dVn = local + (e ⊙ K) dS1
         _put_pieces(dh_ptr, h_base, K, V, i_v, BK, BKS, BV, d0, d1, d2, d3)
-        kd = _rows_times_pieces(k_ptr, b, hk, i_n, T, Hk, K, C, BK, BKS, d0, d1, d2, d3, DT, PREC)
+        kd = _rows_times_pieces(k_ptr, b, hk, t0, end, Hk, K, C, BK, BKS, d0, d1, d2, d3, DT, PREC)
         dvn = _tile(dv_block).to(tl.float32) + kd * gamma_out[:, None]
         _put(dv_block, dvn)
         # dS0 = γ_C dS1 + (γ ⊙ Q)ᵀ dO − Wᵀ dVn
-        d0, d1, d2, d3 = _pieces_plus_cols(q_ptr, b, hk, i_n, T, Hk, K, C, BK, BKS, d0, d1, d2, d3,
+        d0, d1, d2, d3 = _pieces_plus_cols(q_ptr, b, hk, t0, end, Hk, K, C, BK, BKS, d0, d1, d2, d3,
                                            gamma_chunk, do, DT, PREC)
-        d0, d1, d2, d3 = _pieces_plus_cols(w_ptr, b, h, i_n, T, H, K, C, BK, BKS, d0, d1, d2, d3,
+        d0, d1, d2, d3 = _pieces_plus_cols(w_ptr, b, h, t0, end, H, K, C, BK, BKS, d0, d1, d2, d3,
                                            1.0, -dvn, DT, PREC)
     _put_pieces(dh0_ptr, s_base, K, V, i_v, BK, BKS, BV, d0, d1, d2, d3)
 
 
-STATE_SPLIT_KEY = ["H", "G", "K", "V", "C", "PREC"]
+STATE_SPLIT_KEY = ["H", "G", "K", "V", "C", "PREC", "IS_VARLEN"]
 _state_fwd_split = launch.autotuned(_state_fwd_split_kernel, SPLIT_CONFIGS, STATE_SPLIT_KEY, prune=prune_split_configs)
 # dv_ptr (dVn) is updated in place: restored between autotuning trials
 _state_bwd_split = launch.autotuned(_state_bwd_split_kernel, SPLIT_CONFIGS, STATE_SPLIT_KEY, prune=prune_split_configs,
