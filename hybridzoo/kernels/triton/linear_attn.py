@@ -34,6 +34,11 @@ gets ``dlog_a`` from the closed form of
 kernels share (``LOG_A_MIN``, tile widths, the clamped ``exp``, the stored states' dtype, the
 autotuning settings) is in :mod:`.linear_attn_common` (and importable from here too).
 
+Packed documents (``cu_seqlens``, B = 1): every kernel takes ``IS_VARLEN`` (constexpr) and the
+chunk tables of :func:`~.linear_attn_common.varlen_chunks`; each document runs in its own chunks
+(the last one partial, nothing padded) from its own initial state to its own final state, as
+described in :mod:`.linear_attn_common`. Without them the kernels compile as they always did.
+
 Chunk sizes 16, 32 and 64 run natively; any other ``chunk_size >= 1`` runs with 64 (the chunk
 size is a tiling choice: the result does not depend on it).
 """

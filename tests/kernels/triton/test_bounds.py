@@ -81,6 +81,25 @@ def test_chunk_linear_attn_in_bounds(B, T, Hk, H, Kd, V, decay):
     assert report.launches > 0 and report.violations == [], report.violations
 
 
+@pytest.mark.parametrize("decay", ["scalar", "per_key"])
+def test_packed_chunk_linear_attn_in_bounds(decay):
+    """Packed documents (cu_seqlens) of 1, 32 (a chunk), 33 and 5 tokens at chunk 32: every chunk
+    read stays inside its document's rows of the packed tensors, its own rows of the score
+    buffers and its document's state slots."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 1, 33, 66, 71], dtype=torch.int32)
+    q, k, v = (_leaf(1, 71, 1, 16, dtype=torch.float16), _leaf(1, 71, 1, 16, dtype=torch.float16),
+               _leaf(1, 71, 2, 24, dtype=torch.float16))
+    log_a = _leaf(1, 71, 2, *(() if decay == "scalar" else (16,)), negative=True)
+    h0 = _leaf(4, 2, 16, 24)
+    with bounds_checked() as report:
+        o, hT = K.chunk_linear_attn(q, k, v, log_a, initial_state=h0, output_final_state=True,
+                                    chunk_size=32, cu_seqlens=cu, backend="triton")
+        grads = _backward([o, hT], [q, k, v, log_a, h0])
+    assert all(g is not None for g in grads)
+    assert report.launches > 0 and report.violations == [], report.violations
+
+
 @pytest.mark.parametrize("B,T,Hk,H,Kd,V,split", [(1, 45, 1, 2, 32, 16, False), (2, 20, 2, 2, 16, 40, False),
                                                  (1, 21, 1, 2, 150, 40, True)],
                          ids=["K32", "K16", "K150-split-state"])
