@@ -100,8 +100,13 @@ def _fwd_h_kernel(k, v, b, h, h0, hT, cu, chunk_off, T, NT, H: tl.constexpr, HK:
     if HAS_H0:
         S += tl.load(h0 + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
     for j in range(NT_LOOP if NT_LOOP > 0 else NT_n):
+        m_h = m_kv
+        if IS_VARLEN:
+            if NT_LOOP > 0:  # the interpreter's fixed trip count (the longest document's): no change past NT_n
+                m_h = m_kv & (j < NT_n)
+                S_in = S
         if STORE_H:
-            tl.store(h + (h_row + j) * K * V + kv, S.to(h.dtype.element_ty), mask=m_kv)
+            tl.store(h + (h_row + j) * K * V + kv, S.to(h.dtype.element_ty), mask=m_h)
         t = j * C + tl.arange(0, C)
         rows = (bos + t).to(tl.int64)
         m_t = t < T_n
@@ -122,6 +127,9 @@ def _fwd_h_kernel(k, v, b, h, h0, hT, cu, chunk_off, T, NT, H: tl.constexpr, HK:
             k_t = (k_t * _exp_le0(g - b_t)[:, None]).to(v_t.dtype)
             S = S * tl.exp(g)
         S += tl.dot(tl.trans(k_t), v_t, input_precision=PREC)
+        if IS_VARLEN:
+            if NT_LOOP > 0:
+                S = tl.where(j < NT_n, S, S_in)
     if STORE_HT:
         tl.store(hT + i_bh.to(tl.int64) * K * V + kv, S, mask=m_kv)
 
@@ -317,7 +325,7 @@ def fwd_h(k, v, b, decay, initial_state, C, *, store_h=True, store_final=False, 
         initial_state if initial_state is not None else dummy, hT if store_final else dummy,
         *_tables(vl, "cu", "chunk_off"), T, NT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, DECAY=decay,
         HAS_H0=initial_state is not None, STORE_H=store_h, STORE_HT=store_final,
-        PREC=launch.dot_precision(v.dtype), NT_LOOP=launch.loop_count(NT) if vl is None else 0,
+        PREC=launch.dot_precision(v.dtype), NT_LOOP=launch.loop_count(NT) if vl is None else vl.loop_chunks,
         IS_VARLEN=vl is not None, fixed=dict(num_warps=launch.warps(BK, BV)))
     return h, hT
 
@@ -467,6 +475,10 @@ def chunk_linear_attn_grads(q, k, v, log_a, initial_state, do, dfinal, *, scale=
     C = chunk_size if chunk_size in SUPPORTED_CHUNK_SIZES else 64
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     vl = _packed(cu_seqlens, v, initial_state, q.shape[-1], C)
+    state = ((v.shape[0] if vl is None else vl.n_seqs), v.shape[2], q.shape[-1], v.shape[-1])
+    if dfinal is not None and tuple(dfinal.shape) != state:
+        raise ValueError(f"chunk_linear_attn_grads: dfinal must be the final state's gradient {list(state)} "
+                         f"(one per document with cu_seqlens), got {list(dfinal.shape)}")
     qc, kc, vc = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous(), v.contiguous()
     la = None if log_a is None else log_a.to(torch.float32).contiguous()
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()

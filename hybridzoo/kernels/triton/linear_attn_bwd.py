@@ -78,7 +78,13 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, cu, chunk_off, scale, T, NT, H: tl.co
         dS += tl.load(dhT + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
     for jj in range(NT_LOOP if NT_LOOP > 0 else NT_n):
         j = NT_n - 1 - jj
-        tl.store(dh + (h_row + j) * K * V + kv, dS.to(dh.dtype.element_ty), mask=m_kv)
+        m_h = m_kv
+        if IS_VARLEN:
+            if NT_LOOP > 0:  # the interpreter's fixed trip count (the longest document's): no change past NT_n
+                m_h = m_kv & (jj < NT_n)
+                j = tl.maximum(j, 0)
+                dS_in = dS
+        tl.store(dh + (h_row + j) * K * V + kv, dS.to(dh.dtype.element_ty), mask=m_h)
         t = j * C + tl.arange(0, C)
         rows = (bos + t).to(tl.int64)
         m_t = t < T_n
@@ -99,6 +105,9 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, cu, chunk_off, scale, T, NT, H: tl.co
             q_t = (q_t * _exp_le0(b_t)[:, None]).to(do_t.dtype)
             dS = dS * tl.exp(g)
         dS += scale * tl.dot(tl.trans(q_t), do_t, input_precision=PREC)
+        if IS_VARLEN:
+            if NT_LOOP > 0:
+                dS = tl.where(jj < NT_n, dS, dS_in)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + kv, dS, mask=m_kv)
 
@@ -418,7 +427,7 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     launch.run(_bwd_dh, grid, q, b_, do, dh, dhT if dhT is not None else dummy,
                dh0 if dh0 is not None else dummy, cu, chunk_off, float(scale), T, NT, H=H, HK=HK, K=K, V=V,
                C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
-               PREC=prec, NT_LOOP=0 if varlen else launch.loop_count(NT), IS_VARLEN=varlen,
+               PREC=prec, NT_LOOP=vl.loop_chunks if varlen else launch.loop_count(NT), IS_VARLEN=varlen,
                fixed=dict(num_warps=launch.warps(BK, BV)))
 
     dv = launch.empty(v.shape, v.dtype, v.device)

@@ -103,13 +103,17 @@ class VarlenChunks(NamedTuple):
 
     ``cu`` int32 ``[N + 1]`` (cumulative document lengths), ``chunk_idx`` int32 ``[NT, 2]``
     (document, chunk within the document) of every chunk in order, ``chunk_off`` int32 ``[N]``
-    (index of each document's first chunk), ``n_seqs`` N and ``n_chunks`` NT."""
+    (index of each document's first chunk), ``n_seqs`` N, ``n_chunks`` NT, and ``loop_chunks``:
+    the state kernels' trip count as a constexpr, the longest document's chunks under the
+    interpreter (:func:`launch.loop_count`: Triton 3.6's cannot loop over a value it loaded), 0
+    (each document's own count, at run time) when compiled."""
 
     cu: torch.Tensor
     chunk_idx: torch.Tensor
     chunk_off: torch.Tensor
     n_seqs: int
     n_chunks: int
+    loop_chunks: int
 
 
 def varlen_chunks(cu_seqlens: torch.Tensor, total: int, C: int, device) -> VarlenChunks:
@@ -121,7 +125,8 @@ def varlen_chunks(cu_seqlens: torch.Tensor, total: int, C: int, device) -> Varle
     chunk_idx = prepare_chunk_indices(cu, C).to(device=device, dtype=torch.int32).contiguous()
     counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
     chunk_off = (torch.cumsum(counts, 0) - counts).to(torch.int32).contiguous()
-    return VarlenChunks(cu, chunk_idx, chunk_off, cu.numel() - 1, chunk_idx.shape[0])
+    loop_chunks = int(counts.max()) if launch.interpret() else 0
+    return VarlenChunks(cu, chunk_idx, chunk_off, cu.numel() - 1, chunk_idx.shape[0], loop_chunks)
 
 
 @triton.jit

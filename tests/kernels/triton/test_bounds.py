@@ -83,15 +83,16 @@ def test_chunk_linear_attn_in_bounds(B, T, Hk, H, Kd, V, decay):
 
 @pytest.mark.parametrize("decay", ["scalar", "per_key"])
 def test_packed_chunk_linear_attn_in_bounds(decay):
-    """Packed documents (cu_seqlens) of 1, 32 (a chunk), 33 and 5 tokens at chunk 32: every chunk
-    read stays inside its document's rows of the packed tensors, its own rows of the score
-    buffers and its document's state slots."""
+    """Packed documents (cu_seqlens) of 1, 32 (a chunk) and 33 tokens at chunk 32 (two sub-chunks
+    of 16 for the per-key kernels): every access stays inside the packed tensors, the score
+    buffers and the state slots (a document's chunk reading past its end would read the next
+    document's rows, which the reference comparisons of test_linear_attn_varlen.py catch)."""
     torch.manual_seed(0)
-    cu = torch.tensor([0, 1, 33, 66, 71], dtype=torch.int32)
-    q, k, v = (_leaf(1, 71, 1, 16, dtype=torch.float16), _leaf(1, 71, 1, 16, dtype=torch.float16),
-               _leaf(1, 71, 2, 24, dtype=torch.float16))
-    log_a = _leaf(1, 71, 2, *(() if decay == "scalar" else (16,)), negative=True)
-    h0 = _leaf(4, 2, 16, 24)
+    cu = torch.tensor([0, 1, 33, 66], dtype=torch.int32)
+    q, k, v = (_leaf(1, 66, 1, 16, dtype=torch.float16), _leaf(1, 66, 1, 16, dtype=torch.float16),
+               _leaf(1, 66, 2, 24, dtype=torch.float16))
+    log_a = _leaf(1, 66, 2, *(() if decay == "scalar" else (16,)), negative=True)
+    h0 = _leaf(3, 2, 16, 24)
     with bounds_checked() as report:
         o, hT = K.chunk_linear_attn(q, k, v, log_a, initial_state=h0, output_final_state=True,
                                     chunk_size=32, cu_seqlens=cu, backend="triton")

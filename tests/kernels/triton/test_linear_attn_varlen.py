@@ -145,6 +145,8 @@ def test_explicit_gradients_entry():
     assert no_state[4] is None
     for name, got, want in zip(NAMES, no_state[:4], expected):
         assert rel_err(got, want) <= 1e-5, name
+    with pytest.raises(ValueError, match="dfinal"):
+        chunk_linear_attn_grads(x["q"], x["k"], x["v"], x["log_a"], None, do, dfinal[:1], cu_seqlens=cu)
 
 
 def test_dispatch_declares_varlen_and_refuses_bad_calls():
@@ -208,10 +210,11 @@ def test_gpu_packed_real_shapes(decay, D, dtype, no_tf32):
 
 
 @pytest.mark.gpu
-def test_gpu_packed_one_document_longer_than_the_row_and_short_ones(no_tf32):
+@pytest.mark.parametrize("lengths", ([1, 64, 7000, 65, 1062], [8192]), ids=["long-and-short", "one-cut-by-the-row"])
+def test_gpu_packed_long_and_short_documents(lengths, no_tf32):
     """A document filling most of the row (7,000 tokens) beside documents of 1, 64 and 65 tokens,
-    per-key decays down to e^-60 with resets (bf16): no NaN, reference accuracy."""
-    lengths = [1, 64, 7000, 65, 1062]
+    or one document longer than the row (cut at 8192: cu_seqlens [0, 8192]); per-key decays down
+    to e^-60 with resets (bf16): no NaN, reference accuracy."""
     check("per_key", lengths, seed=51, Hk=1, H=2, K=128, V=64, chunk_size=64, log_scale=60.0,
           resets=(0, 65, 66, 7129), scale=128 ** -0.5, dtype=torch.bfloat16, ref_dtype=F32, device="cuda",
           tol=1e-2)
