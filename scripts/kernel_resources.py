@@ -127,10 +127,22 @@ def cases():
         yield (f"linear_attn _fwd_h_kernel {dt}", linear_attn._fwd_h_kernel,
                {"k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "h0": "*fp32", "hT": "*fp32", "T": "i32",
                 "NT": "i32"},
-               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0), launch.warps(64, 64), 3)
+               dict(la, HAS_H0=False, STORE_H=True, STORE_HT=False, NT_LOOP=0, **not_varlen(linear_attn._fwd_h_kernel)),
+               launch.warps(64, 64), 3)
         yield (f"linear_attn _fwd_o_kernel {dt}", linear_attn._fwd_o_kernel,
                {"q": ptr, "k": ptr, "v": ptr, "b": "*fp32", "h": ptr, "A": "*fp32", "o": ptr,
-                "scale": "fp32", "T": "i32", "NT": "i32"}, la, launch.warps(64, 64), 3)
+                "scale": "fp32", "T": "i32", "NT": "i32"}, dict(la, **not_varlen(linear_attn._fwd_o_kernel)),
+               launch.warps(64, 64), 3)
+
+
+# the packed-documents (varlen) tables of the linear-attention kernels: int32 pointers in a varlen
+# launch, None (constexpr) with IS_VARLEN False, as the ops launch them without cu_seqlens
+VARLEN_TABLES = ("cu", "chunk_idx", "chunk_off")
+
+
+def not_varlen(kernel) -> dict:
+    """The constexprs of ``kernel``'s launch without packed documents: IS_VARLEN False, no tables."""
+    return {"IS_VARLEN": False, **{p: None for p in VARLEN_TABLES if p in kernel.arg_names}}
 
 
 INPUTS = {"q", "k", "v", "do", "o", "beta", "dv", "w", "tm"}  # tensors in the inputs' dtype (the rest: float32;
@@ -141,7 +153,8 @@ SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 
 def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32"), varlen: bool = False):
     """Every Triton kernel of the linear-attention and delta-rule ops, with the largest head sizes
     the ops take (K = V = 256) and the launch settings the ops use, for bf16 and fp32 inputs
-    (``dtypes``: a subset of those)."""
+    (``dtypes``: a subset of those); the linear-attention kernels also in their packed-documents
+    form (``VARLEN``: IS_VARLEN with int32 chunk tables)."""
     import inspect
 
     import hybridzoo.kernels.triton.linear_attn_bwd as linear_attn_bwd
@@ -184,6 +197,8 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32"), varlen: bool = False
                         constexprs.update({k: consts[k] for k in ("BK", "BV", "BKW") if k in constexprs})
                         launch_warps = consts["num_warps"]
                     constexprs = {k: v for k, v in constexprs.items() if k in params}
+                tables = [p for p in VARLEN_TABLES if p in params]
+                constexprs.update({p: None for p in tables})  # not varlen: None, as the ops pass
                 inputs = ({"q", "k", "v", "do"} if module is prefix_bwd
                           else INPUTS | {"h", "dh"} if module in (linear_attn, linear_attn_bwd) else INPUTS)
                 if varlen and module not in (delta_rule, delta_rule_bwd, delta_rule_split):
@@ -208,6 +223,11 @@ def all_kernels(dtypes: tuple[str, ...] = ("bf16", "fp32"), varlen: bool = False
                                kernel, types, dict(constexprs, BV=c.kwargs["BV"]), c.num_warps, c.num_stages)
                     continue
                 yield f"{label} {dt}", kernel, types, constexprs, launch_warps, stages
+                if "IS_VARLEN" in constexprs and module in (linear_attn, linear_attn_bwd):
+                    # the linear-attention kernels' packed-documents form too: int32 tables read
+                    yield (f"{label} VARLEN {dt}", kernel, dict(types, **{p: "*i32" for p in tables}),
+                           {k: v for k, v in dict(constexprs, IS_VARLEN=True).items() if k not in tables},
+                           launch_warps, stages)
                 if "HAS_TM" in constexprs:  # the backward's variant too: Tm read, not computed
                     yield (f"{label} HAS_TM {dt}", kernel, types, dict(constexprs, HAS_TM=True), launch_warps,
                            stages)

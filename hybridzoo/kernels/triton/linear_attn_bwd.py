@@ -49,7 +49,9 @@ from hybridzoo.kernels.triton.linear_attn_common import (
     SUB_CHUNK,
     TUNE_KEY,
     _block,
+    _chunk_span,
     _exp_le0,
+    _seq_span,
     diag_dot,
     state_dtype,
 )
@@ -57,14 +59,16 @@ from hybridzoo.kernels.triton.fast_exp import _exp
 
 
 @triton.jit
-def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
+def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, cu, chunk_off, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, DECAY: tl.constexpr, HAS_DHT: tl.constexpr,
-                   STORE_DH0: tl.constexpr, PREC: tl.constexpr, NT_LOOP: tl.constexpr):
-    """dh[b, h, j] = gradient of the state leaving chunk j ([B, H, NT, K, V], ``state_dtype``)."""
+                   STORE_DH0: tl.constexpr, PREC: tl.constexpr, NT_LOOP: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dh[b, h, j] = gradient of the state leaving chunk j ([B, H, NT, K, V], ``state_dtype``);
+    varlen: one program per (document · head, tiles), from dhT[n] back to dh0[n]."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
     i_hk = i_h // (H // HK)
+    bos, T_n, NT_n, h_row = _seq_span(i_bh, H, T, NT, C, cu, chunk_off, IS_VARLEN)
     kk = i_k * BK + tl.arange(0, BK)
     vv = i_v * BV + tl.arange(0, BV)
     m_kv = (kk < K)[:, None] & (vv < V)[None, :]
@@ -72,17 +76,23 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dS += tl.load(dhT + i_bh.to(tl.int64) * K * V + kv, mask=m_kv, other=0.0)
-    for jj in range(NT_LOOP if NT_LOOP > 0 else NT):
-        j = NT - 1 - jj
-        tl.store(dh + (i_bh.to(tl.int64) * NT + j) * K * V + kv, dS.to(dh.dtype.element_ty), mask=m_kv)
+    for jj in range(NT_LOOP if NT_LOOP > 0 else NT_n):
+        j = NT_n - 1 - jj
+        m_h = m_kv
+        if IS_VARLEN:
+            if NT_LOOP > 0:  # the interpreter's fixed trip count (the longest document's): no change past NT_n
+                m_h = m_kv & (jj < NT_n)
+                j = tl.maximum(j, 0)
+                dS_in = dS
+        tl.store(dh + (h_row + j) * K * V + kv, dS.to(dh.dtype.element_ty), mask=m_h)
         t = j * C + tl.arange(0, C)
-        rows = (i_b * T + t).to(tl.int64)
-        m_t = t < T
+        rows = (bos + t).to(tl.int64)
+        m_t = t < T_n
         q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :],
                       mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
         do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :],
                        mask=m_t[:, None] & (vv < V)[None, :], other=0.0)
-        last = (i_b * T + tl.minimum(j * C + C, T) - 1).to(tl.int64)
+        last = (bos + tl.minimum(j * C + C, T_n) - 1).to(tl.int64)
         if DECAY == 2:
             b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :],
                           mask=m_t[:, None] & (kk < K)[None, :], other=0.0)
@@ -95,20 +105,24 @@ def _bwd_dh_kernel(q, b, do, dh, dhT, dh0, scale, T, NT, H: tl.constexpr, HK: tl
             q_t = (q_t * _exp_le0(b_t)[:, None]).to(do_t.dtype)
             dS = dS * tl.exp(g)
         dS += scale * tl.dot(tl.trans(q_t), do_t, input_precision=PREC)
+        if IS_VARLEN:
+            if NT_LOOP > 0:
+                dS = tl.where(jj < NT_n, dS, dS_in)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + kv, dS, mask=m_kv)
 
 
 @triton.jit
-def _bwd_dA_kernel(v, do, dA, scale, T, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                   BV: tl.constexpr, PREC: tl.constexpr):
+def _bwd_dA_kernel(v, do, dA, cu, chunk_idx, scale, T, H: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   BV: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dA[b, h, t, s] = scale · dO_t · v_s for s <= t in t's chunk, else 0 (fp32 [B, H, T, C])."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
+    bos, T_n, i_t, a0 = _chunk_span(i_c, i_b, T, cu, chunk_idx, IS_VARLEN)
     c = tl.arange(0, C)
-    t = i_c * C + c
-    m_t = t < T
-    rows = (i_b * T + t).to(tl.int64)
+    t = i_t * C + c
+    m_t = t < T_n
+    rows = (bos + t).to(tl.int64)
     acc = tl.zeros([C, C], dtype=tl.float32)
     for i_v in tl.static_range((V + BV - 1) // BV):
         vv = i_v * BV + tl.arange(0, BV)
@@ -117,25 +131,26 @@ def _bwd_dA_kernel(v, do, dA, scale, T, H: tl.constexpr, V: tl.constexpr, C: tl.
         v_t = tl.load(v + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m, other=0.0)
         acc += tl.dot(do_t, tl.trans(v_t), input_precision=PREC)
     acc = tl.where(c[:, None] >= c[None, :], acc * scale, 0.0)
-    tl.store(dA + (i_bh.to(tl.int64) * T + t[:, None]) * C + c[None, :], acc, mask=m_t[:, None])
+    tl.store(dA + (i_bh.to(tl.int64) * T + a0 + t[:, None]) * C + c[None, :], acc, mask=m_t[:, None])
 
 
 @triton.jit
-def _bwd_dv_kernel(q, k, b, A, do, dh, dv, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
+def _bwd_dv_kernel(q, k, b, A, do, dh, dv, cu, chunk_idx, scale, T, NT, H: tl.constexpr, HK: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr):
+                   BV: tl.constexpr, DECAY: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dv = scale · Aᵀ dO + k̂ dh_j, one chunk and V-block."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
+    bos, T_n, i_t, a0 = _chunk_span(i_c, i_b, T, cu, chunk_idx, IS_VARLEN)
     c = tl.arange(0, C)
-    t = i_c * C + c
-    m_t = t < T
-    rows = (i_b * T + t).to(tl.int64)
+    t = i_t * C + c
+    m_t = t < T_n
+    rows = (bos + t).to(tl.int64)
     vv = i_v * BV + tl.arange(0, BV)
     m_v = (vv < V)[None, :]
     do_t = tl.load(do + (rows[:, None] * H + i_h) * V + vv[None, :], mask=m_t[:, None] & m_v, other=0.0)
-    last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
+    last = (bos + tl.minimum(i_t * C + C, T_n) - 1).to(tl.int64)
     acc = tl.zeros([C, BV], dtype=tl.float32)
     scores_t = tl.zeros([C, C], dtype=tl.float32)  # [s, t] = k_s · q_t
     causal_t = c[:, None] <= c[None, :]             # s <= t
@@ -159,7 +174,7 @@ def _bwd_dv_kernel(q, k, b, A, do, dh, dv, scale, T, NT, H: tl.constexpr, HK: tl
             q_t = tl.load(q + (rows[:, None] * HK + i_hk) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
             scores_t += tl.dot(k_t, tl.trans(q_t), input_precision=PREC)
     if DECAY == 2:  # A[t, s] read transposed
-        scores_t = tl.load(A + (i_bh.to(tl.int64) * T + t[None, :]) * C + c[:, None],
+        scores_t = tl.load(A + (i_bh.to(tl.int64) * T + a0 + t[None, :]) * C + c[:, None],
                            mask=m_t[None, :] & causal_t, other=0.0)
     elif DECAY == 1:
         b_t = tl.load(b + rows * H + i_h, mask=m_t, other=0.0)
@@ -172,9 +187,10 @@ def _bwd_dv_kernel(q, k, b, A, do, dh, dv, scale, T, NT, H: tl.constexpr, HK: tl
 
 
 @triton.jit
-def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.constexpr,
+def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, cu, chunk_idx, T, H: tl.constexpr, HK: tl.constexpr,
                           K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr, DIAG_DOT: tl.constexpr, SPAN: tl.constexpr):
+                          PREC: tl.constexpr, DIAG_DOT: tl.constexpr, SPAN: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
     """Per-key decay: the intra-chunk parts of dq and dk (per value head, fp32 [B, T, H, K]), from
     q, k ([B, T, HK, K], the inputs' dtype), b and dA (fp32 [B, T, H, K], [B, H, T, C]).
 
@@ -196,17 +212,18 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     i_c, i = i_ci // NC, i_ci % NC
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
-    c0 = i_c * C
+    bos, T_n, i_t, a0 = _chunk_span(i_c, i_b, T, cu, chunk_idx, IS_VARLEN)
+    c0 = i_t * C
     r = tl.arange(0, BC)
     kk = i_k * BK + tl.arange(0, BK)
     m_k = (kk < K)[None, :]
-    dA_base = dA + i_bh.to(tl.int64) * T * C
+    dA_base = dA + (i_bh.to(tl.int64) * T + a0) * C  # dA rows of this sequence: [T_n, C]
     t = c0 + i * BC + r  # the program's sub-chunk: queries of dq, keys of dk
-    m_t = t < T
-    rows_t = (i_b * T + t).to(tl.int64)
+    m_t = t < T_n
+    rows_t = (bos + t).to(tl.int64)
     b_i = tl.load(b + (rows_t[:, None] * H + i_h) * K + kk[None, :], mask=m_t[:, None] & m_k, other=0.0)
     # the reference point before sub-chunk i (the chunk's start, b = 0, for i = 0)
-    ref_i = (i_b * T + tl.maximum(tl.minimum(c0 + i * BC, T) - 1, 0)).to(tl.int64)
+    ref_i = (bos + tl.maximum(tl.minimum(c0 + i * BC, T_n) - 1, 0)).to(tl.int64)
     b_ri = tl.load(b + (ref_i * H + i_h) * K + kk, mask=(kk < K) & (i > 0), other=0.0)
     diag_dot = False
     if DIAG_DOT:
@@ -217,8 +234,8 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     acc = tl.zeros([BC, BK], dtype=tl.float32)
     for j in tl.static_range(NC - 1):
         if j < i:
-            m_s = (c0 + j * BC + r < T)[:, None]
-            rows_s = (i_b * T + c0 + j * BC + r).to(tl.int64)
+            m_s = (c0 + j * BC + r < T_n)[:, None]
+            rows_s = (bos + c0 + j * BC + r).to(tl.int64)
             k_j = tl.load(k + (rows_s[:, None] * HK + i_hk) * K + kk[None, :], mask=m_s & m_k, other=0.0)
             b_j = tl.load(b + (rows_s[:, None] * H + i_h) * K + kk[None, :], mask=m_s & m_k, other=0.0)
             dA_ij = tl.load(dA_base + t[:, None] * C + j * BC + r[None, :], mask=m_t[:, None], other=0.0)
@@ -233,9 +250,9 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     if not diag_dot:
         for col in range(BC):  # the diagonal block, one key (column) at a time
             s_col = c0 + i * BC + col
-            ok = s_col < T
-            k_s = tl.load(k + ((i_b * T + s_col).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
-            b_s = tl.load(b + ((i_b * T + s_col).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            ok = s_col < T_n
+            k_s = tl.load(k + ((bos + s_col).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_s = tl.load(b + ((bos + s_col).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
             dA_col = tl.load(dA_base + t * C + i * BC + col, mask=m_t, other=0.0)
             term = dA_col[:, None] * k_s.to(tl.float32)[None, :] * _exp_le0(b_i - b_s[None, :])
             acc += tl.where((r >= col)[:, None], term, 0.0)
@@ -245,9 +262,9 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     for j in tl.static_range(1, NC):
         if j > i:
             t_j = c0 + j * BC + r
-            m_tj = t_j < T
-            rows_j = (i_b * T + t_j).to(tl.int64)
-            ref = (i_b * T + tl.minimum(c0 + j * BC, T) - 1).to(tl.int64)
+            m_tj = t_j < T_n
+            rows_j = (bos + t_j).to(tl.int64)
+            ref = (bos + tl.minimum(c0 + j * BC, T_n) - 1).to(tl.int64)
             b_r = tl.load(b + (ref * H + i_h) * K + kk, mask=kk < K, other=0.0)
             q_j = tl.load(q + (rows_j[:, None] * HK + i_hk) * K + kk[None, :], mask=m_tj[:, None] & m_k, other=0.0)
             b_j = tl.load(b + (rows_j[:, None] * H + i_h) * K + kk[None, :], mask=m_tj[:, None] & m_k, other=0.0)
@@ -264,9 +281,9 @@ def _bwd_intra_dqk_kernel(q, k, b, dA, dq, dk, T, H: tl.constexpr, HK: tl.conste
     else:
         for row in range(BC):  # the diagonal block, one query (row) at a time
             t_row = c0 + i * BC + row
-            ok = t_row < T
-            q_r = tl.load(q + ((i_b * T + t_row).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
-            b_q = tl.load(b + ((i_b * T + t_row).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
+            ok = t_row < T_n
+            q_r = tl.load(q + ((bos + t_row).to(tl.int64) * HK + i_hk) * K + kk, mask=(kk < K) & ok, other=0.0)
+            b_q = tl.load(b + ((bos + t_row).to(tl.int64) * H + i_h) * K + kk, mask=(kk < K) & ok, other=0.0)
             dA_row = tl.load(dA_base + t_row * C + i * BC + r, mask=ok, other=0.0)
             term = dA_row[:, None] * q_r.to(tl.float32)[None, :] * _exp_le0(b_q[None, :] - b_i)
             acc += tl.where((r <= row)[:, None], term, 0.0)
@@ -297,10 +314,10 @@ def _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc
 
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, H: tl.constexpr,
+def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, cu, chunk_idx, dg_stride, scale, T, NT, H: tl.constexpr,
                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, STORE_DG: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dq, dk per value head ([B, T, H, K]; per-key decay adds to the intra parts there, fp32).
 
     With STORE_DG, also the decay gradient in the chunk-local closed form (module docstring):
@@ -310,10 +327,11 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
     i_k, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // (H // HK)
+    bos, T_n, i_t, a0 = _chunk_span(i_c, i_b, T, cu, chunk_idx, IS_VARLEN)
     c = tl.arange(0, C)
-    t = i_c * C + c
-    m_t = t < T
-    rows = (i_b * T + t).to(tl.int64)
+    t = i_t * C + c
+    m_t = t < T_n
+    rows = (bos + t).to(tl.int64)
     kk = i_k * BK + tl.arange(0, BK)
     m_k = (kk < K)[None, :]
     m_tk = m_t[:, None] & m_k
@@ -330,7 +348,7 @@ def _bwd_dqk_kernel(q, k, v, b, h, dh, do, dq, dk, dg, dg_stride, scale, T, NT, 
         dq_acc, dk_acc, dA, h_dh = _dqk_value_tile(i_v, v, h, dh, do, rows, i_h, state, m_t, kk, dq_acc, dk_acc,
                                                    dA, h_dh, H, K, V, BV, DECAY, STORE_DG, PREC)
     out = (rows[:, None] * H + i_h) * K + kk[None, :]
-    last = (i_b * T + tl.minimum(i_c * C + C, T) - 1).to(tl.int64)
+    last = (bos + tl.minimum(i_t * C + C, T_n) - 1).to(tl.int64)
     causal = c[:, None] >= c[None, :]
     if DECAY == 2:
         b_t = tl.load(b + (rows[:, None] * H + i_h) * K + kk[None, :], mask=m_tk, other=0.0)
@@ -378,15 +396,21 @@ _bwd_dqk = launch.autotuned(_bwd_dqk_kernel, key=TUNE_KEY + ["STORE_DG"], restor
 
 
 def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, decay, *, b, A, h,
-                          need_dlog_a=True, need_dh0=True):
+                          need_dlog_a=True, need_dh0=True, vl=None):
     """Gradients ``(dq, dk, dv, dlog_a, d initial_state)``; ``do``/``dhT`` may be None (zero).
     ``b`` (the in-chunk cumulative decays, ``chunk_cumsum``; None without decay) and ``A`` (the
     per-key scores, ``intra_A``; None unless per-key) as the forward made them; ``h`` the states
     entering each chunk (``[B, H, NT, K, V]``, :func:`~.linear_attn_common.state_dtype`), as
-    ``linear_attn.fwd_h`` recomputes them from ``k, v, b`` and ``initial_state``."""
+    ``linear_attn.fwd_h`` recomputes them from ``k, v, b`` and ``initial_state``. ``vl``
+    (:class:`~.linear_attn_common.VarlenChunks`): packed documents (B = 1), each in its own
+    chunks; ``initial_state``, ``dhT`` and the returned ``d initial_state`` are then
+    ``[N, H, K, V]``."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
-    NT = triton.cdiv(T, C)
+    NT = triton.cdiv(T, C) if vl is None else vl.n_chunks
+    NS = B if vl is None else vl.n_seqs  # sequences: their states
+    cu, chunk_idx, chunk_off = (None, None, None) if vl is None else (vl.cu, vl.chunk_idx, vl.chunk_off)
+    varlen = vl is not None
     BK, BV = _block(K), _block(V)
     prec = launch.dot_precision(v.dtype)
     f32 = dict(dtype=torch.float32, device=v.device)
@@ -398,17 +422,18 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     b_ = b if b is not None else dummy
 
     dh = launch.empty((B, H, NT, K, V), state_dtype(v.dtype), v.device)
-    dh0 = launch.empty((B, H, K, V), torch.float32, v.device) if (need_dh0 and initial_state is not None) else None
-    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+    dh0 = launch.empty((NS, H, K, V), torch.float32, v.device) if (need_dh0 and initial_state is not None) else None
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), NS * H)
     launch.run(_bwd_dh, grid, q, b_, do, dh, dhT if dhT is not None else dummy,
-               dh0 if dh0 is not None else dummy, float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C,
-               BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
-               PREC=prec, NT_LOOP=launch.loop_count(NT), fixed=dict(num_warps=launch.warps(BK, BV)))
+               dh0 if dh0 is not None else dummy, cu, chunk_off, float(scale), T, NT, H=H, HK=HK, K=K, V=V,
+               C=C, BK=BK, BV=BV, DECAY=decay, HAS_DHT=dhT is not None, STORE_DH0=dh0 is not None,
+               PREC=prec, NT_LOOP=vl.loop_chunks if varlen else launch.loop_count(NT), IS_VARLEN=varlen,
+               fixed=dict(num_warps=launch.warps(BK, BV)))
 
     dv = launch.empty(v.shape, v.dtype, v.device)
     launch.run(_bwd_dv, lambda args: (triton.cdiv(V, args["BV"]), NT, B * H),
-               q, k, b_, A if A is not None else dummy, do, dh, dv, float(scale), T, NT, H=H, HK=HK,
-               K=K, V=V, C=C, DECAY=decay, PREC=prec,
+               q, k, b_, A if A is not None else dummy, do, dh, dv, cu, chunk_idx, float(scale), T, NT, H=H,
+               HK=HK, K=K, V=V, C=C, DECAY=decay, PREC=prec, IS_VARLEN=varlen,
                fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     # dq, dk straight in the inputs' dtype when nothing is added to them afterwards (no per-key
@@ -418,21 +443,21 @@ def chunk_linear_attn_bwd(q, k, v, log_a, initial_state, do, dhT, scale, C, deca
     dk = launch.empty((B, T, H, K), grad_dtype, v.device)
     if decay == 2:
         dA = launch.empty((B, H, T, C), torch.float32, v.device)
-        _bwd_dA_kernel[(NT, B * H)](v, do, dA, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec,
-                                    num_warps=launch.warps(BV))
+        _bwd_dA_kernel[(NT, B * H)](v, do, dA, cu, chunk_idx, float(scale), T, H=H, V=V, C=C, BV=BV, PREC=prec,
+                                    IS_VARLEN=varlen, num_warps=launch.warps(BV))
         BC = min(SUB_CHUNK, C)  # one program per sub-chunk of BC tokens (see the kernel)
         # 4 warps: 2.43 vs 2.64 ms (bf16), 2.12 vs 2.65 ms (fp32) with 8, timed alone on an H200
         # (B2 T16384 H16 K128); 158 registers, no spills on sm_90
         _bwd_intra_dqk_kernel[(NT * (C // BC), triton.cdiv(K, BK), B * H)](
-            q, k, b, dA, dq, dk, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=BK, PREC=prec,
-            DIAG_DOT=diag_dot(q.dtype), SPAN=DIAG_SPAN, num_warps=4)
+            q, k, b, dA, dq, dk, cu, chunk_idx, T, H=H, HK=HK, K=K, C=C, BC=BC, BK=BK, PREC=prec,
+            DIAG_DOT=diag_dot(q.dtype), SPAN=DIAG_SPAN, IS_VARLEN=varlen, num_warps=4)
     dg = None
     if need_dlog_a:  # per key, or (scalar decay) one sum per key block (as many as BK <= 64 makes)
         dg = launch.empty((B, T, H, K) if decay == 2 else (triton.cdiv(K, BK), B, T, H), torch.float32, v.device)
     used = launch.run(_bwd_dqk, lambda args: (triton.cdiv(K, args["BK"]), NT, B * H),
-                      q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, B * T * H,
-                      float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
-                      STORE_DG=need_dlog_a, PREC=prec,
+                      q, k, v, b_, h, dh, do, dq, dk, dg if dg is not None else dummy, cu, chunk_idx,
+                      B * T * H, float(scale), T, NT, H=H, HK=HK, K=K, V=V, C=C, DECAY=decay,
+                      STORE_DG=need_dlog_a, PREC=prec, IS_VARLEN=varlen,
                       fixed=dict(BK=BK, BV=BV, num_warps=launch.warps(BK, BV)))
 
     dlog_a = None

@@ -2,14 +2,18 @@
 Triton chunkwise (gated) linear attention share: the ``log_a`` clamp (``LOG_A_MIN``), the
 per-key sub-chunk (``SUB_CHUNK``), the tile width along a head dimension (:func:`_block`), the
 clamped ``exp`` (:func:`_exp_le0`, ``@triton.jit``), the dtype of the stored chunk states
-(:func:`state_dtype`) and the autotuning settings of the chunk kernels (``TUNE_KEY``,
-``STATE_TUNING``, ``CHUNK_TUNING``).
+(:func:`state_dtype`), the autotuning settings of the chunk kernels (``TUNE_KEY``,
+``STATE_TUNING``, ``CHUNK_TUNING``) and the packed-documents (varlen) plumbing: where a chunk program
+(:func:`_chunk_span`) or a state program (:func:`_seq_span`) reads, and the chunk tables the
+launchers pass them (:func:`varlen_chunks`).
 
 Both kernel modules import from here, and :mod:`.linear_attn` imports :mod:`.linear_attn_bwd`: no
 import cycle.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,7 +62,7 @@ def _exp_le0(x):
 # instead of once per 64-wide tile). Under the interpreter, or with launch.AUTOTUNE off, they run
 # with the fixed settings of their launchers (tiles of at most 64, launch.warps). The results do
 # not depend on the setting.
-TUNE_KEY = ["H", "HK", "K", "V", "C", "DECAY", "PREC"]
+TUNE_KEY = ["H", "HK", "K", "V", "C", "DECAY", "PREC", "IS_VARLEN"]
 STATE_TUNING = dict(configs=launch.warp_configs(stages=(1, 2, 3)), prune=launch.prune_warps("C", "BK", "BV"))
 _TILES = (16, 32, 64, 128)
 CHUNK_TUNING = dict(configs=launch.warp_configs({"BK": _TILES, "BV": _TILES}),
@@ -80,3 +84,106 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     states (``initial_state``, ``final_state``) are always float32."""
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
+
+
+# ------------------------------------------------------------------ packed documents (varlen)
+#
+# With ``cu_seqlens`` (B = 1, ``[1, total, ...]`` inputs) every document is cut into its own chunks
+# of C tokens, the last one partial: no document is padded, and no chunk holds two documents. The
+# chunk programs run over the ``NT = Σ_n cdiv(T_n, C)`` chunks of all documents (grid axis of the
+# chunk index), each mapping its index to (document, chunk in document) through ``chunk_idx``;
+# the state programs run one per (document, head) and walk that document's chunks from its own
+# initial state. The chunk states ``h``/``dh`` stay ``[1, H, NT, K, V]``: chunk j of document n at
+# ``chunk_off[n] + j``, the program index of that chunk. Without varlen the kernels are compiled
+# with ``IS_VARLEN=False`` and None for the tables: the same code as before varlen existed.
+
+
+class VarlenChunks(NamedTuple):
+    """The chunk tables of a packed call at chunk size C (on the inputs' device).
+
+    ``cu`` int32 ``[N + 1]`` (cumulative document lengths), ``chunk_idx`` int32 ``[NT, 2]``
+    (document, chunk within the document) of every chunk in order, ``chunk_off`` int32 ``[N]``
+    (index of each document's first chunk), ``n_seqs`` N, ``n_chunks`` NT, and ``loop_chunks``:
+    the state kernels' trip count as a constexpr, the longest document's chunks under the
+    interpreter (:func:`launch.loop_count`: Triton 3.6's cannot loop over a value it loaded), 0
+    (each document's own count, at run time) when compiled."""
+
+    cu: torch.Tensor
+    chunk_idx: torch.Tensor
+    chunk_off: torch.Tensor
+    n_seqs: int
+    n_chunks: int
+    loop_chunks: int
+
+
+_TABLES: dict[tuple, tuple] = {}  # (id(cu), version, C) -> (cu, tables): every layer of a step shares them
+_MAX_TABLES = 16
+
+
+def varlen_chunks(cu_seqlens: torch.Tensor, total: int, C: int, device) -> VarlenChunks:
+    """Validate ``cu_seqlens`` (:func:`hybridzoo.kernels.varlen.check_cu_seqlens`) for ``total``
+    tokens and build the chunk tables of chunk size ``C`` (one host sync, as fla's; remembered
+    for the same ``cu_seqlens`` tensor, unmodified, so the layers of a model build them once)."""
+    from hybridzoo.kernels.varlen import check_cu_seqlens, prepare_chunk_indices
+
+    cu = check_cu_seqlens(cu_seqlens, total, device)
+    key = (id(cu), cu._version, C, launch.interpret())
+    seen = _TABLES.get(key)
+    if seen is not None and seen[0] is cu:
+        return seen[1]
+    tables = _build_tables(cu, C, prepare_chunk_indices)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = (cu, tables)
+    return tables
+
+
+def _build_tables(cu: torch.Tensor, C: int, prepare_chunk_indices) -> VarlenChunks:
+    """The tables of :class:`VarlenChunks` from a validated int32 ``cu`` (on the kernels' device)."""
+    chunk_idx = prepare_chunk_indices(cu, C).to(dtype=torch.int32).contiguous()
+    counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
+    chunk_off = (torch.cumsum(counts, 0) - counts).to(torch.int32).contiguous()
+    loop_chunks = int(counts.max()) if launch.interpret() else 0
+    return VarlenChunks(cu, chunk_idx, chunk_off, cu.numel() - 1, chunk_idx.shape[0], loop_chunks)
+
+
+@triton.jit
+def _chunk_span(i_c, i_b, T, cu, chunk_idx, IS_VARLEN: tl.constexpr):
+    """Where chunk program ``i_c`` (of batch row ``i_b``) reads: ``(bos, T_n, i_t, a0)``, the
+    flat token row (``b * T + t``) of its sequence's first token, the sequence's length, the
+    chunk's index inside the sequence, and the sequence's first position inside its batch row
+    (for the ``[B, H, T, C]`` score buffers). Without varlen ``(i_b * T, T, i_c, 0)``; with
+    (B = 1) the document and its chunk from ``chunk_idx``, its bounds from ``cu``."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_idx + 2 * i_c)
+        i_t = tl.load(chunk_idx + 2 * i_c + 1)
+        bos = tl.load(cu + i_n)
+        T_n = tl.load(cu + i_n + 1) - bos
+        a0 = bos
+    else:
+        bos = i_b * T
+        T_n = T
+        i_t = i_c
+        a0 = 0
+    return bos, T_n, i_t, a0
+
+
+@triton.jit
+def _seq_span(i_bh, H: tl.constexpr, T, NT, C: tl.constexpr, cu, chunk_off, IS_VARLEN: tl.constexpr):
+    """Where state program ``i_bh`` (sequence · head) reads: ``(bos, T_n, NT_n, h_row)``, the
+    flat token row of the sequence's first token, its length, its chunks, and the row of its
+    first chunk's state in ``h [B, H, NT, K, V]`` viewed as ``[B * H * NT, K, V]`` (int64). With
+    varlen (B = 1, ``i_bh = n * H + h``): document n's bounds from ``cu``, its first chunk from
+    ``chunk_off``."""
+    if IS_VARLEN:
+        i_n, i_h = i_bh // H, i_bh % H
+        bos = tl.load(cu + i_n)
+        T_n = tl.load(cu + i_n + 1) - bos
+        NT_n = (T_n + C - 1) // C
+        h_row = i_h.to(tl.int64) * NT + tl.load(chunk_off + i_n)
+    else:
+        bos = (i_bh // H) * T
+        T_n = T
+        NT_n = NT
+        h_row = i_bh.to(tl.int64) * NT
+    return bos, T_n, NT_n, h_row

@@ -81,6 +81,27 @@ def test_chunk_linear_attn_in_bounds(B, T, Hk, H, Kd, V, decay):
     assert report.launches > 0 and report.violations == [], report.violations
 
 
+@pytest.mark.parametrize("decay", ["scalar", "per_key"])
+def test_packed_chunk_linear_attn_in_bounds(decay):
+    """Packed documents (cu_seqlens) of 1, 32 (a chunk) and 33 tokens at chunk 32 (two sub-chunks
+    of 16 for the per-key kernels): every access stays inside the packed tensors, the score
+    buffers and the state slots (a document's chunk reading past its end would read the next
+    document's rows, which the reference comparisons of test_linear_attn_varlen.py catch)."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 1, 33, 66], dtype=torch.int32)
+    H = 2 if decay == "scalar" else 1  # (one head: the per-key kernels are slow under the checker)
+    q, k, v = (_leaf(1, 66, 1, 16, dtype=torch.float16), _leaf(1, 66, 1, 16, dtype=torch.float16),
+               _leaf(1, 66, H, 24, dtype=torch.float16))
+    log_a = _leaf(1, 66, H, *(() if decay == "scalar" else (16,)), negative=True)
+    h0 = _leaf(3, H, 16, 24)
+    with bounds_checked() as report:
+        o, hT = K.chunk_linear_attn(q, k, v, log_a, initial_state=h0, output_final_state=True,
+                                    chunk_size=32, cu_seqlens=cu, backend="triton")
+        grads = _backward([o, hT], [q, k, v, log_a, h0])
+    assert all(g is not None for g in grads)
+    assert report.launches > 0 and report.violations == [], report.violations
+
+
 @pytest.mark.parametrize("B,T,Hk,H,Kd,V,split", [(1, 45, 1, 2, 32, 16, False), (2, 20, 2, 2, 16, 40, False),
                                                  (1, 21, 1, 2, 150, 40, True)],
                          ids=["K32", "K16", "K150-split-state"])

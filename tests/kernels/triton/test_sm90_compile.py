@@ -1,7 +1,7 @@
-"""Every Triton kernel of chunk_linear_attn, chunk_delta_rule and the SeCO prefix backward compiles
-for sm_90 (H100/H200), bf16 and fp32, at the largest head sizes the ops take, within the 227 KB
-shared-memory limit; the conv and selective-scan kernels compile without register spills at
-every launch setting they may run with.
+"""Every Triton kernel of chunk_linear_attn (with and without packed documents), chunk_delta_rule and
+the SeCO prefix backward compiles for sm_90 (H100/H200), bf16 and fp32, at the largest head sizes
+the ops take, within the 227 KB shared-memory limit; the conv and selective-scan kernels compile
+without register spills at every launch setting they may run with.
 
 No GPU needed: ``scripts/kernel_resources.py --all`` compiles each kernel for
 ``GPUTarget("cuda", 90, 32)`` and assembles it with the ptxas that ships with Triton. (A K = 128
@@ -32,9 +32,10 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(dtype):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_resources.py"), "--all", "--dtype", dtype],
                             capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in result.stdout.splitlines() if " shared " in line]
-    # 18 kernels, the WY forward's second variant (HAS_TM: the backward's, Tm read), and the split
-    # state kernels (delta_rule_split) at each of the 2 candidates kept at K = 256
-    assert len(lines) == 23 and all(line.split(" shared ")[0].split()[-1] == dtype for line in lines), \
+    # 18 kernels, the WY forward's second variant (HAS_TM: the backward's, Tm read), the split
+    # state kernels (delta_rule_split) at each of the 2 candidates kept at K = 256, and the 9
+    # linear-attention kernels' packed-documents forms (VARLEN)
+    assert len(lines) == 32 and all(line.split(" shared ")[0].split()[-1] == dtype for line in lines), \
         result.stdout + result.stderr
     assert result.returncode == 0, "\n".join(line for line in lines if "error" in line or "OVER" in line)
 
