@@ -143,12 +143,18 @@ def sequence_start(local_len: int) -> int:
     return 0 if _ACTIVE is None else _ACTIVE.rank * local_len
 
 
-def check_mixer(mixer, state) -> None:
-    """Inside a context: refuse a mixer without a sharded path and a carried state."""
+def check_mixer(mixer, state, cu_seqlens=None) -> None:
+    """Inside a context: refuse a mixer without a sharded path, a carried state and packed
+    documents (``cu_seqlens``)."""
     cp = _ACTIVE
     if cp is None:
         return
     name = type(mixer).__name__
+    if cu_seqlens is not None:
+        raise ContextParallelError(
+            f"{name}: context parallelism with packed documents (cu_seqlens / position_ids) is not "
+            f"supported (ring attention and the rank-to-rank state passing have no document "
+            f"boundaries); train packed rows without context_parallel(), or with SeCO alone")
     if not getattr(mixer, "context_parallel", False):
         raise ContextParallelError(f"{name} (kind {getattr(mixer, 'kind', '?')!r}) has no sharded path "
                                    f"(context parallelism); run it outside context_parallel()")
