@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 OPS = ("selective_scan", "causal_conv1d")
+VARLEN_OPS: set[str] = set()  # packed documents (cu_seqlens) are not passed to mamba_ssm here
 
 
 def _require(module: str, package: str):
