@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import selective_scan, selective_scan_grads, selective_scan_saved, selective_scan_step
-from hybridzoo.kernels import _grads_by_rerun
 from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers import recompute
 from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, next_offset
@@ -248,26 +247,15 @@ class Mamba1(Mixer):
 
     def _scan_saved(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens=None):
         """The scan with no graph: ``(y, final state, saved)`` (y and the final state are only
-        returned by the body, so only ``saved`` is kept). With ``cu_seqlens`` (packed documents)
-        nothing is saved: the backward runs the packed scan again."""
-        if cu_seqlens is not None:
-            with torch.no_grad():
-                y, final = selective_scan(u, delta, A, B, C, D, z, delta_bias, True, initial_state=initial_state,
-                                          output_final_state=True, backend=self.backend, cu_seqlens=cu_seqlens)
-            return y, final, u.new_empty((0,), dtype=torch.float32)
-        return selective_scan_saved(u, delta, A, B, C, D, z, delta_bias, True, initial_state, backend=self.backend)
+        returned by the body, so only ``saved`` is kept)."""
+        return selective_scan_saved(u, delta, A, B, C, D, z, delta_bias, True, initial_state,
+                                    cu_seqlens=cu_seqlens, backend=self.backend)
 
     def _scan_grads(self, u, delta, A, B, C, D, z, delta_bias, initial_state, y, final, saved, dy, dfinal, dsaved,
                     cu_seqlens=None):
-        """The backward of :meth:`_scan_saved` from its ``saved`` states, without a second forward
-        (with ``cu_seqlens``: by running the packed scan again with autograd on)."""
-        if cu_seqlens is not None:
-            return _grads_by_rerun(
-                lambda *a: selective_scan(*a[:8], True, initial_state=a[8], output_final_state=True,
-                                          backend=self.backend, cu_seqlens=cu_seqlens),
-                (u, delta, A, B, C, D, z, delta_bias, initial_state), (dy, dfinal))
+        """The backward of :meth:`_scan_saved` from its ``saved`` states, without a second forward."""
         return selective_scan_grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal,
-                                    delta_softplus=True, backend=self.backend)
+                                    delta_softplus=True, cu_seqlens=cu_seqlens, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "

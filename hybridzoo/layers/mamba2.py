@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
-from hybridzoo.kernels import _grads_by_rerun
 from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers import recompute
 from hybridzoo.layers.base import Mixer, init_dt_bias_, next_offset
@@ -266,13 +265,10 @@ class Mamba2(Mixer):
                                           **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
 
     def _scan_grads(self, C, B, v, log_a, initial_state, dy, dfinal, cu_seqlens=None):
-        """The backward of :meth:`_scan` without its forward (its output was kept); with
-        ``cu_seqlens``, by running the packed scan again with autograd on."""
-        if cu_seqlens is not None:
-            return _grads_by_rerun(lambda *a: self._scan(*a, cu_seqlens=cu_seqlens),
-                                   (C, B, v, log_a, initial_state), (dy, dfinal))
+        """The backward of :meth:`_scan` without its forward (its output was kept)."""
         return chunk_linear_attn_grads(C, B, v, log_a, initial_state, dy, dfinal, scale=1.0,
-                                       chunk_size=self.config.chunk_size, backend=self.backend)
+                                       chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
+                                       backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, heads={self.n_heads}x{self.head_dim}, "
