@@ -12,6 +12,8 @@ from hybridzoo.layers import MIXERS, KVState, RecurrentState
 from hybridzoo.utils import rel_err
 from tests.zoo.tiny import TINY_BLOCKS
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TOL = 1e-10
 CHUNK = 8  # the tiny mixers' chunk size
 WINDOW = 5

@@ -12,6 +12,8 @@ from hybridzoo.utils import rel_err
 from hybridzoo.zoo.model import lm_loss, shift_labels
 from tests.zoo.tiny import KINDS, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TOL = 1e-10
 LENGTHS = [1, 8, 9, 3]  # chunk 8, window 5: one token, a chunk, chunk + 1 (longer than the window)
 # (several chunks per document and full attention: tests/layers/test_packed_mixers.py)
