@@ -41,6 +41,9 @@ class ContextParallel:
     rank: int
     size: int
     check: bool = True
+    #: packed documents (set by HybridLM for one call): the position within its document of this
+    #: rank's first token (> 0: it continues the previous rank's last document); None: no documents
+    first_position: int | None = None
 
 
 _ACTIVE: ContextParallel | None = None
@@ -127,8 +130,9 @@ def sharded(op: Callable) -> Callable:
 
     name = getattr(op, "__name__", repr(op))
     if name in ("chunk_linear_attn", "chunk_delta_rule", "selective_scan", "causal_conv1d"):
+        documents = {} if cp.first_position is None else {"continues": cp.first_position > 0}
         return functools.partial(getattr(recurrent_ops, name), group=cp.group, method=cp.method,
-                                 check=cp.check)
+                                 check=cp.check, **documents)
     if name == "attention":
         return functools.partial(_sharded_attention, cp=cp)
     if name == "shift_labels":
@@ -139,8 +143,13 @@ def sharded(op: Callable) -> Callable:
 
 
 def sequence_start(local_len: int) -> int:
-    """Absolute position of this rank's first token (0 outside a context)."""
-    return 0 if _ACTIVE is None else _ACTIVE.rank * local_len
+    """Absolute position of this rank's first token (0 outside a context); with packed documents
+    its position within its document."""
+    if _ACTIVE is None:
+        return 0
+    if _ACTIVE.first_position is not None:
+        return _ACTIVE.first_position
+    return _ACTIVE.rank * local_len
 
 
 def check_mixer(mixer, state, cu_seqlens=None) -> None:
@@ -151,10 +160,15 @@ def check_mixer(mixer, state, cu_seqlens=None) -> None:
         return
     name = type(mixer).__name__
     if cu_seqlens is not None:
-        raise ContextParallelError(
-            f"{name}: context parallelism with packed documents (cu_seqlens / position_ids) is not "
-            f"supported (ring attention and the rank-to-rank state passing have no document "
-            f"boundaries); train packed rows without context_parallel(), or with SeCO alone")
+        if getattr(mixer, "kind", None) == "attn":
+            raise ContextParallelError(
+                f"{name}: ring attention with packed documents is not supported (context parallelism "
+                f"with documents serves the recurrent mixers only); train a model with attention on "
+                f"packed rows without context_parallel()")
+        if cp.first_position is None:
+            raise ContextParallelError(
+                f"{name}: under context_parallel() packed documents come through the model: "
+                f"HybridLM(ids, position_ids=...) with each rank's slice of the position_ids")
     if not getattr(mixer, "context_parallel", False):
         raise ContextParallelError(f"{name} (kind {getattr(mixer, 'kind', '?')!r}) has no sharded path "
                                    f"(context parallelism); run it outside context_parallel()")
@@ -164,8 +178,9 @@ def check_mixer(mixer, state, cu_seqlens=None) -> None:
 
 
 @contextlib.contextmanager
-def model_call(inputs: torch.Tensor, state):
-    """Around a model's forward: one shape check for the whole call, none per op."""
+def model_call(inputs: torch.Tensor, state, first_position: int | None = None):
+    """Around a model's forward: one shape check for the whole call, none per op;
+    ``first_position``: packed documents (see :class:`ContextParallel`)."""
     cp = _ACTIVE
     if cp is None:
         yield
@@ -175,10 +190,25 @@ def model_call(inputs: torch.Tensor, state):
     if cp.check:
         check_same_shapes(cp.group, "HybridLM (context parallel)", (inputs,))
     previous, cp.check = cp.check, False
+    cp.first_position = first_position
     try:
         yield
     finally:
         cp.check = previous
+        cp.first_position = None
+
+
+def sharded_document_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Targets of this rank's slice of packed documents (``[1, T]`` labels and position_ids):
+    the shifted labels, -100 where the next token (on this rank or the next) starts a document
+    (position 0) and at the sequence's end."""
+    cp = _ACTIVE
+    targets = _sharded_shift_labels(labels, cp)
+    nxt = shift(position_ids[:, :1].contiguous(), -1, cp.group)
+    if cp.rank == cp.size - 1:
+        nxt = torch.zeros_like(nxt)
+    following = torch.cat([position_ids[:, 1:], nxt], dim=1)
+    return targets.masked_fill(following == 0, -100)
 
 
 def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1) -> torch.Tensor:

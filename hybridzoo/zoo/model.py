@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.layers import MIXERS, MixerState, RMSNorm, SwiGLU
-from hybridzoo.parallel.context import model_call, sharded
+from hybridzoo.parallel.comm import ContextParallelError
+from hybridzoo.parallel.context import active, model_call, sharded, sharded_document_targets
 from hybridzoo.zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from hybridzoo.zoo.config import HybridConfig
 
@@ -163,11 +164,21 @@ class HybridLM(nn.Module):
             self.check_ids(input_ids, values=not self._ids_checked)
             inputs_embeds = self.embed(input_ids)
         shape = inputs_embeds.shape[:2]
+        cp = active()
+        first_position = None  # context parallelism with documents: see ContextParallel
         if position_ids is not None:
             if cu_seqlens is not None:
                 raise ValueError("HybridLM: give cu_seqlens or position_ids (the boundaries are derived "
                                  "from them), not both")
-            cu_seqlens = packed_cu_seqlens(position_ids, shape, carried=state is not None)
+            if cp is not None and shape[0] != 1:
+                raise ValueError(f"HybridLM: under context_parallel() packed documents take one row, "
+                                 f"[1, T] per rank, got batch {shape[0]}")
+            cu_seqlens = packed_cu_seqlens(position_ids, shape, carried=state is not None or cp is not None)
+            if cp is not None:
+                first_position = int(position_ids[0, 0])
+        elif cu_seqlens is not None and cp is not None:
+            raise ContextParallelError("HybridLM: under context_parallel() pass each rank's slice of "
+                                       "position_ids for packed documents, not cu_seqlens")
         if cu_seqlens is not None:
             if shape[0] > 1 and position_ids is None:
                 raise ValueError(f"HybridLM: with cu_seqlens the documents are packed into one row, "
@@ -182,7 +193,7 @@ class HybridLM(nn.Module):
             raise ValueError(f"HybridLM: state has {len(state)} entries, the model has {len(self.blocks)} blocks")
         x, new_state = inputs_embeds, []
         documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        with model_call(inputs_embeds, state):  # context parallelism: one shape check, no state
+        with model_call(inputs_embeds, state, first_position):  # context parallelism: one shape check, no state
             for block, block_state in zip(self.blocks, state):
                 x, block_state = block(x, block_state, **documents)
                 new_state.append(block_state)
@@ -195,7 +206,9 @@ class HybridLM(nn.Module):
         if labels is not None and targets is not None:
             raise ValueError("HybridLM: give labels (shifted inside) or targets (aligned), not both")
         if labels is not None:
-            if cu_seqlens is not None:
+            if first_position is not None:  # the next rank's first position tells this slice's last target
+                targets = sharded_document_targets(labels, position_ids)
+            elif cu_seqlens is not None:
                 targets = document_targets(labels, cu_seqlens).reshape(shape)
             else:
                 targets = sharded(shift_labels)(labels)  # across ranks under context parallelism
@@ -262,7 +275,6 @@ def packed_cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int] | torch
     ``[1, B·T]``: a document starts where ``position_ids == 0`` and at every row start. Raises
     ValueError unless ``position_ids`` count ``0, 1, ...`` within each document (the first
     document may start elsewhere when a state is ``carried``: it continues that state)."""
-    from hybridzoo.kernels.varlen import cu_seqlens_from_position_ids
     from hybridzoo.layers.base import document_positions
 
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or tuple(position_ids.shape) != tuple(shape) \
@@ -270,9 +282,10 @@ def packed_cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int] | torch
         got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise ValueError(f"HybridLM: position_ids must be an int tensor {list(shape)} like input_ids, got {got}")
     flat = position_ids.reshape(1, -1)
-    starts = flat.clone()
-    starts[0, torch.arange(0, flat.shape[1], shape[1], device=flat.device)] = 0  # every row start is a boundary
-    cu = cu_seqlens_from_position_ids(starts)
+    starts = flat[0] == 0
+    starts[::shape[1]] = True  # every row start is a boundary
+    total = torch.tensor([flat.shape[1]], device=flat.device)
+    cu = torch.cat([starts.nonzero()[:, 0], total]).to(torch.int32)
     expected = document_positions(cu, flat.shape[1], int(flat[0, 0]) if carried else 0)
     if not torch.equal(flat[0].long(), expected.to(flat.device)):
         raise ValueError("HybridLM: position_ids must restart at 0 at each document and count 0, 1, 2, ... "

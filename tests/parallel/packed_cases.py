@@ -1,0 +1,51 @@
+"""Packed documents under context parallelism (run inside ranks): a HybridLM of the five
+recurrent mixers, sharded with each rank's slice of the position_ids, equals the single-process
+packed model (logits, loss, every gradient; float64, 1e-10)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridzoo import HybridLM
+from hybridzoo.parallel.comm import ContextParallelError
+from hybridzoo.parallel.context import context_parallel, shard_sequence
+from tests.parallel.model_cases import TOL, _rel, six_mixer_config
+
+RECURRENT = "mamba1 mamba2 gla retnet gdn"
+# 24 tokens: with 4 ranks (edges 6, 12, 18) the document [5, 12) crosses edge 6 with one token on
+# rank 0 (fewer than the conv's tail of 2), fills rank 1 and ends at edge 12; [12, 20) starts
+# exactly at edge 12 and crosses 18; rank 3 then holds a 1-token document. With 2 ranks a
+# document starts exactly at the edge 12.
+LENGTHS = [5, 7, 8, 1, 3]
+
+
+def check_packed_model(rank: int, size: int, method: str) -> None:
+    torch.manual_seed(0)
+    model = HybridLM(six_mixer_config(None, layers=RECURRENT, n_layers=5)).double()
+    T = sum(LENGTHS)
+    ids = torch.randint(0, 32, (1, T), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, 2] = -100
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    logits_ref, _, loss_ref = model(ids, labels=labels, position_ids=position_ids)
+    ref = torch.autograd.grad(loss_ref, list(model.parameters()))
+    with context_parallel(method=method):
+        logits, _, loss = model(shard_sequence(ids), labels=shard_sequence(labels),
+                                position_ids=shard_sequence(position_ids))
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    Tl = T // size
+    assert _rel(logits, logits_ref[:, rank * Tl:(rank + 1) * Tl]) < TOL, (rank, "logits")
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    assert abs(float(total - loss_ref)) < TOL * float(loss_ref), (float(total), float(loss_ref))
+    for (name, _), got, want in zip(model.named_parameters(), grads, ref):
+        got = got.clone()
+        dist.all_reduce(got)
+        assert _rel(got, want) < TOL, (method, rank, name, _rel(got, want))
+
+    # ring attention with documents is refused, naming it
+    attn = HybridLM(six_mixer_config(None, layers="gla attn", n_layers=2)).double()
+    with context_parallel(method=method), pytest.raises(ContextParallelError, match="ring attention with packed"):
+        attn(shard_sequence(ids), position_ids=shard_sequence(position_ids))
