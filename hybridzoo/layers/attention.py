@@ -372,9 +372,9 @@ class Attention(Mixer):
                 o_first, _ = attention(q[:, :first], k[:, :first], v[:, :first], window=self.config.window,
                                        prefix=prefix, scale=self.scale, backend=self.backend)
             new_state = self._append(state if n_docs == 1 else None, k[:, last:], v[:, last:])
-        if o_first is None:
-            o, _ = attention(q, k, v, window=self.config.window, scale=self.scale, backend=self.backend,
-                             cu_seqlens=cu_seqlens)
+        if o_first is None:  # (ring attention under context parallelism)
+            o, _ = sharded(attention)(q, k, v, window=self.config.window, scale=self.scale, backend=self.backend,
+                                      cu_seqlens=cu_seqlens)
             return o, new_state
         if n_docs == 1:
             return o_first, new_state

@@ -90,13 +90,19 @@ def suspended():
 
 
 def _sharded_attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False,
-                       backend="auto", cp: ContextParallel):
+                       backend="auto", cp: ContextParallel, cu_seqlens=None):
     from hybridzoo.parallel.ring_attention import ring_attention
 
     if prefix is not None or return_lse:
         raise ContextParallelError("attention: a sharded call takes no K/V prefix and returns no lse")
+    documents = {}
+    if cu_seqlens is not None:
+        if cp.first_position is None:
+            raise ContextParallelError("attention: under context_parallel() packed documents come through "
+                                       "the model: HybridLM(ids, position_ids=...) with each rank's slice")
+        documents = {"cu_seqlens": cu_seqlens, "first_position": cp.first_position}
     return ring_attention(q, k, v, window=window, scale=scale, group=cp.group, layout="contiguous",
-                          backend=backend, check=cp.check), None
+                          backend=backend, check=cp.check, **documents), None
 
 
 def _sharded_shift_labels(labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -160,11 +166,6 @@ def check_mixer(mixer, state, cu_seqlens=None) -> None:
         return
     name = type(mixer).__name__
     if cu_seqlens is not None:
-        if getattr(mixer, "kind", None) == "attn":
-            raise ContextParallelError(
-                f"{name}: ring attention with packed documents is not supported (context parallelism "
-                f"with documents serves the recurrent mixers only); train a model with attention on "
-                f"packed rows without context_parallel()")
         if cp.first_position is None:
             raise ContextParallelError(
                 f"{name}: under context_parallel() packed documents come through the model: "

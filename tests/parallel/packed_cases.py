@@ -1,6 +1,6 @@
-"""Packed documents under context parallelism (run inside ranks): a HybridLM of the five
-recurrent mixers, sharded with each rank's slice of the position_ids, equals the single-process
-packed model (logits, loss, every gradient; float64, 1e-10)."""
+"""Packed documents under context parallelism (run inside ranks): a six-mixer HybridLM (full and
+sliding-window attention), sharded with each rank's slice of the position_ids, equals the
+single-process packed model (logits, loss, every gradient; float64, 1e-10)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from hybridzoo import HybridLM
 from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import context_parallel, shard_sequence
 from tests.parallel.model_cases import TOL, _rel, six_mixer_config
-
-RECURRENT = "mamba1 mamba2 gla retnet gdn"
 # 24 tokens: with 4 ranks (edges 6, 12, 18) the document [5, 12) crosses edge 6 with one token on
 # rank 0 (fewer than the conv's tail of 2), fills rank 1 and ends at edge 12; [12, 20) starts
 # exactly at edge 12 and crosses 18; rank 3 then holds a 1-token document. With 2 ranks a
@@ -22,8 +20,17 @@ LENGTHS = [5, 7, 8, 1, 3]
 
 
 def check_packed_model(rank: int, size: int, method: str) -> None:
+    for window in (None, 3):
+        _check(rank, size, method, window)
+    # cu_seqlens under context parallelism are refused (each rank passes its slice of position_ids)
+    model = HybridLM(six_mixer_config(None, layers="gla attn", n_layers=2)).double()
+    with context_parallel(method=method), pytest.raises(ContextParallelError, match="slice of position_ids"):
+        model(torch.zeros(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+def _check(rank: int, size: int, method: str, window) -> None:
     torch.manual_seed(0)
-    model = HybridLM(six_mixer_config(None, layers=RECURRENT, n_layers=5)).double()
+    model = HybridLM(six_mixer_config(window)).double()
     T = sum(LENGTHS)
     ids = torch.randint(0, 32, (1, T), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
@@ -36,16 +43,11 @@ def check_packed_model(rank: int, size: int, method: str) -> None:
                                 position_ids=shard_sequence(position_ids))
     grads = torch.autograd.grad(loss, list(model.parameters()))
     Tl = T // size
-    assert _rel(logits, logits_ref[:, rank * Tl:(rank + 1) * Tl]) < TOL, (rank, "logits")
+    assert _rel(logits, logits_ref[:, rank * Tl:(rank + 1) * Tl]) < TOL, (window, rank, "logits")
     total = loss.detach().clone()
     dist.all_reduce(total)
     assert abs(float(total - loss_ref)) < TOL * float(loss_ref), (float(total), float(loss_ref))
     for (name, _), got, want in zip(model.named_parameters(), grads, ref):
         got = got.clone()
         dist.all_reduce(got)
-        assert _rel(got, want) < TOL, (method, rank, name, _rel(got, want))
-
-    # ring attention with documents is refused, naming it
-    attn = HybridLM(six_mixer_config(None, layers="gla attn", n_layers=2)).double()
-    with context_parallel(method=method), pytest.raises(ContextParallelError, match="ring attention with packed"):
-        attn(shard_sequence(ids), position_ids=shard_sequence(position_ids))
+        assert _rel(got, want) < TOL, (window, method, rank, name, _rel(got, want))
