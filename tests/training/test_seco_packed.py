@@ -19,8 +19,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 CU = [0, 1, 7, 9, 16, 23]
 
 
-@pytest.mark.parametrize("chunk", [3, 7], ids=lambda c: f"chunk{c}")
-def test_packed_seco_equals_full_backprop(chunk):
+@pytest.mark.parametrize("chunk,path", [(3, "chunk_attention"), (7, "chunk_attention"),
+                                        (7, "block_prefix"), (7, "kv_offload")])
+def test_packed_seco_equals_full_backprop(chunk, path, monkeypatch):
+    """``path``: the full-attention prefix through chunk_attention (CPU default), through
+    block_prefix_attention (as on CUDA in float32), or with the stores offloaded."""
+    if path == "block_prefix":
+        monkeypatch.setattr("hybridzoo.layers.attention.chunk_attention_applies", lambda *args: False)
     model = hybrid(0)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (1, CU[-1]), generator=generator)
@@ -29,7 +34,8 @@ def test_packed_seco_equals_full_backprop(chunk):
     cu = torch.tensor(CU, dtype=torch.int32)
     ref_loss = full_backprop(model, input_ids=ids, labels=labels, cu_seqlens=cu)
     ref = take_grads(model)
-    result = seco_step(model, {"input_ids": ids, "labels": labels, "cu_seqlens": cu}, chunk)
+    result = seco_step(model, {"input_ids": ids, "labels": labels, "cu_seqlens": cu}, chunk,
+                       kv_offload=path == "kv_offload")
     assert abs(float(result.loss - ref_loss)) <= 1e-12
     assert_close(take_grads(model), ref)
     # the startup check (chunked forward with carried states == one full forward) passes too
@@ -63,16 +69,22 @@ def test_packed_seco_errors():
                           "position_ids": torch.zeros_like(ids)}, 3)
 
 
-def test_context_parallel_with_documents_is_refused():
+def test_context_parallel_combinations_with_documents_are_refused():
+    """A mixer called with cu_seqlens under context parallelism (documents come through the model's
+    position_ids), and SeCO with context parallelism and documents together."""
     from hybridzoo.layers.gla import GLA
     from hybridzoo.parallel import context
 
     mixer = GLA(16).double()
     x = torch.randn(1, 4, 16, dtype=torch.float64)
+    model = hybrid(0)
+    ids = torch.zeros(1, 6, dtype=torch.long)
     previous = context._ACTIVE
     context._ACTIVE = context.ContextParallel(group=None, method="scan", rank=0, size=1)
     try:
-        with pytest.raises(ContextParallelError, match="context parallelism with packed documents"):
+        with pytest.raises(ContextParallelError, match="packed documents come through the model"):
             mixer(x, cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
+        with pytest.raises(ContextParallelError, match="SeCO with context parallelism: packed documents"):
+            seco_step(model, {"input_ids": ids, "labels": ids, "position_ids": torch.arange(6)[None]}, 3)
     finally:
         context._ACTIVE = previous
