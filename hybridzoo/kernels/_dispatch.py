@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from importlib import metadata
 from typing import Callable
 
@@ -141,12 +142,15 @@ def _auto_backend(op: str, device: torch.device) -> str:
 
 
 def varlen_backends(op: str) -> list[str]:
-    """The backends (of those importable here) that run ``op`` on packed documents."""
+    """The backends that run ``op`` on packed documents, of those without an optional package and
+    those already imported (naming a fix must not import fla, which takes seconds)."""
     found = []
-    for name, (module_path, _) in BACKENDS.items():
+    for name, (module_path, package) in BACKENDS.items():
+        if package is not None and module_path not in sys.modules:
+            continue
         try:
             module = importlib.import_module(module_path)
-        except Exception:  # noqa: BLE001 - an optional backend that cannot load here is not offered
+        except Exception:  # noqa: BLE001 - a backend that cannot load here is not offered
             continue
         if op in getattr(module, "VARLEN_OPS", ()):
             found.append(name)

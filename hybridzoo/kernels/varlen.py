@@ -79,6 +79,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, device: torch.device 
     if len(_VALIDATED) >= _MAX_REMEMBERED:
         _VALIDATED.clear()
     _VALIDATED[key] = (cu_seqlens, cu_seqlens._version, total, device, result)
+    if result is not cu_seqlens:  # the converted copy, passed on to backends, is valid too
+        _VALIDATED[id(result)] = (result, result._version, total, device, result)
     return result
 
 
