@@ -12,11 +12,10 @@ from hybridzoo import HybridLM
 from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import context_parallel, shard_sequence
 from tests.parallel.model_cases import TOL, _rel, six_mixer_config
-# 24 tokens: with 4 ranks (edges 6, 12, 18) the document [5, 12) crosses edge 6 with one token on
-# rank 0 (fewer than the conv's tail of 2), fills rank 1 and ends at edge 12; [12, 20) starts
-# exactly at edge 12 and crosses 18; rank 3 then holds a 1-token document. With 2 ranks a
-# document starts exactly at the edge 12.
-LENGTHS = [5, 7, 8, 1, 3]
+# 24 tokens on 3 ranks (edges 8 and 16): the document [7, 16) crosses edge 8 with one token on
+# rank 0 (fewer than the conv's tail of 2; rank 1's queries attend to it), fills rank 1 (its map is
+# the document's transition) and ends exactly at edge 16, where a 1-token document starts.
+LENGTHS = [7, 9, 1, 7]
 
 
 def check_packed_model(rank: int, size: int, method: str) -> None:
