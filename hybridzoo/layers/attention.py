@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hybridzoo.kernels import attention, merge_attention
-from hybridzoo.layers.base import Mixer, projection_input
+from hybridzoo.layers.base import Mixer, document_positions, projection_input
 from hybridzoo.layers.norms import RMSNorm
 from hybridzoo.layers.chunk_attention import chunk_attention, chunk_attention_applies
 from hybridzoo.layers.prefix_attention import block_prefix_attention
@@ -179,6 +179,11 @@ class BlockKVState(MixerState):
             holds them and is only read (stage 2, recomputation with grad).
         k_grad, v_grad: gradient buffers shaped like the stores, on the activations' device, or None.
         own_k, own_v: keys/values ``[B, T, Hk, D]`` of the call that returned this state.
+        doc_start: packed documents (a call with ``cu_seqlens``): the store position where the
+            document that continues into the next call began; that call's first document attends
+            to ``[doc_start, length)`` of the store, its other documents to nothing stored. A
+            document starting exactly at the next call's first token: ``doc_start = length``
+            (SeCO sets it). 0 without documents.
     """
 
     k_buf: torch.Tensor | None = None
@@ -194,6 +199,7 @@ class BlockKVState(MixerState):
     v_grad: torch.Tensor | None = None
     own_k: torch.Tensor | None = field(default=None, repr=False)
     own_v: torch.Tensor | None = field(default=None, repr=False)
+    doc_start: int = 0
 
     def check(self, kind: str, batch_size: int, device: torch.device,
               expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -226,6 +232,14 @@ class Attention(Mixer):
     State: :class:`KVState` (kind ``"attn"``), keys and values ``[B, capacity, Hk, D]`` in
     x.dtype. Every call, ``T = 1`` included, is one call of :func:`hybridzoo.kernels.attention`
     with the stored keys/values as its prefix (K/V heads are never expanded to the query heads).
+
+    Packed documents (``cu_seqlens``, ``x [1, total, d_model]``): a query attends only to keys of
+    its own document (the window counts positions inside it) and rotary positions restart at 0 at
+    each document. The K/V store is that of ONE document, batch 1: a state passed in is the prefix
+    of the first document of the call (which continues it; its positions continue from the
+    state's offset), the other documents start empty; the returned state holds the K/V of the
+    last document (the one a next call may continue), ``offset`` its length so far. (Per-document
+    stores of every document are not kept: only the last can be continued.)
     """
 
     kind = "attn"
@@ -284,6 +298,10 @@ class Attention(Mixer):
         shape = (batch_size, -1, self.n_kv_heads, self.head_dim)  # -1: any capacity
         return {"k_buf": (shape, dtype), "v_buf": (shape, dtype)}
 
+    def state_batch(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+        """The K/V store is that of one document with ``cu_seqlens`` (see the class docstring)."""
+        return x.shape[0] if cu_seqlens is None else 1
+
     def init_state(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None) -> KVState:
         """An empty state whose buffers hold ``max_length`` tokens (a sliding window: at most
@@ -295,8 +313,10 @@ class Attention(Mixer):
         return KVState(kind=self.kind, k_buf=torch.zeros(shape, dtype=dtype, device=device),
                        v_buf=torch.zeros(shape, dtype=dtype, device=device))
 
-    def mix(self, x: torch.Tensor, state: KVState | None) -> tuple[torch.Tensor, KVState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
+    def mix(self, x: torch.Tensor, state: KVState | None, cu_seqlens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, KVState]:
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``; ``cu_seqlens``:
+        packed documents (``B = 1``; the state is that of one document, see the class docstring)."""
         B, T, _ = x.shape
         H, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
         h = projection_input(x)  # one autocast copy shared by q, k and v's projections
@@ -311,9 +331,12 @@ class Attention(Mixer):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         offset = sequence_start(T) if state is None else state.offset
-        q, k = self.rotary.pair(q, k, offset=offset)  # one cos / sin table for both
+        positions = None if cu_seqlens is None else document_positions(cu_seqlens, T, offset)
+        q, k = self.rotary.pair(q, k, offset=offset, positions=positions)  # one cos / sin table for both
 
-        if isinstance(state, BlockKVState):
+        if cu_seqlens is not None:
+            o, state = self._attend_documents(q, k, v, state, cu_seqlens)
+        elif isinstance(state, BlockKVState):
             o, state = self._attend_store(q, k, v, state)
         else:
             prefix = None if state is None or state.length == 0 else (state.k, state.v)
@@ -325,30 +348,76 @@ class Attention(Mixer):
             o = o * torch.sigmoid(gate)
         return self.o_proj(o), state
 
-    def _attend_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockKVState
+    def _attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          state: KVState | BlockKVState | None, cu_seqlens: torch.Tensor
+                          ) -> tuple[torch.Tensor, KVState | BlockKVState]:
+        """Packed documents (``q [1, total, H, D]``, ``cu_seqlens [N + 1]``): the first document
+        attends to the state's prefix (if any) and itself, every other document to itself only
+        (one ``attention`` call with ``cu_seqlens``). Returns the output and the state of the last
+        document (see the class docstring)."""
+        T = q.shape[1]
+        first, last = int(cu_seqlens[1]), int(cu_seqlens[-2])
+        n_docs = cu_seqlens.shape[0] - 1
+        if isinstance(state, BlockKVState):
+            o_first, new_state = self._attend_store(q[:, :first], k[:, :first], v[:, :first], state,
+                                                    write=(k, v))
+            new_state = dataclasses.replace(new_state, length=state.length + T, offset=T - last if n_docs > 1
+                                            else state.offset + T, own_k=k, own_v=v,
+                                            doc_start=state.length + last if n_docs > 1 else state.doc_start)
+        else:
+            prefix = None if state is None or state.length == 0 else (state.k, state.v)
+            if prefix is None:
+                o_first = None  # every document in the one packed call below
+            else:
+                o_first, _ = attention(q[:, :first], k[:, :first], v[:, :first], window=self.config.window,
+                                       prefix=prefix, scale=self.scale, backend=self.backend)
+            new_state = self._append(state if n_docs == 1 else None, k[:, last:], v[:, last:])
+        if o_first is None:  # (ring attention under context parallelism)
+            o, _ = sharded(attention)(q, k, v, window=self.config.window, scale=self.scale, backend=self.backend,
+                                      cu_seqlens=cu_seqlens)
+            return o, new_state
+        if n_docs == 1:
+            return o_first, new_state
+        o_rest, _ = attention(q[:, first:], k[:, first:], v[:, first:], window=self.config.window,
+                              scale=self.scale, backend=self.backend, cu_seqlens=cu_seqlens[1:] - first)
+        return torch.cat([o_first, o_rest], dim=1), new_state
+
+    def _attend_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BlockKVState,
+                      write: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, BlockKVState]:
-        """Attention over ``state``'s stored prefix (block by block) and this call's own tokens,
-        merged by log-sum-exp; writes ``k, v`` into the store unless ``state.read_only``."""
+        """Attention over ``state``'s stored prefix (block by block, from ``state.doc_start``) and
+        this call's own tokens, merged by log-sum-exp; writes ``write`` (default ``k, v``) into the
+        store unless ``state.read_only``."""
         if self.config.window is not None:
             raise ValueError("Attention: a BlockKVState serves full attention only; a sliding-window "
                              "layer carries a KVState")
-        T, P = k.shape[1], state.length
+        k_write, v_write = (k, v) if write is None else write
+        T, P = k_write.shape[1], state.length
         if P + T > state.capacity:
             raise ValueError(f"Attention: BlockKVState holds {state.capacity} positions, "
                              f"{P} stored + {T} new do not fit")
-        if P > 0 and chunk_attention_applies(q, state.v_buf, self.backend):
+        start = state.doc_start  # the prefix this call's (first) document sees: [start, P)
+        if not 0 <= start <= P:
+            raise ValueError(f"Attention: BlockKVState.doc_start {start} must lie in [0, length {P}]")
+
+        def view(buf):
+            return buf if buf is None or start == 0 else buf[:, start:]
+
+        seen = P - start
+        if seen > 0 and chunk_attention_applies(q, state.v_buf, self.backend):
             # prefix and own keys in one Function, stock flash backward per block
-            o = chunk_attention(q, k, v, state.k_buf, state.v_buf, P, block_size=state.block_size,
-                                scale=self.scale, k_grad=state.k_grad, v_grad=state.v_grad,
+            o = chunk_attention(q, k, v, view(state.k_buf), view(state.v_buf), seen, block_size=state.block_size,
+                                scale=self.scale, k_grad=view(state.k_grad), v_grad=view(state.v_grad),
                                 backend=self.backend)
         else:
             # the log-sum-exp only when there is a prefix to merge with (without it SDPA serves)
-            o, lse = attention(q, k, v, scale=self.scale, return_lse=P > 0, backend=self.backend)
-            if P > 0:
+            o, lse = attention(q, k, v, scale=self.scale, return_lse=seen > 0, backend=self.backend)
+            if seen > 0:
                 o_prefix, lse_prefix = block_prefix_attention(
-                    q, state.k_buf, state.v_buf, P, block_size=state.block_size, scale=self.scale,
-                    k_grad=state.k_grad, v_grad=state.v_grad, backend=self.backend)
+                    q, view(state.k_buf), view(state.v_buf), seen, block_size=state.block_size, scale=self.scale,
+                    k_grad=view(state.k_grad), v_grad=view(state.v_grad), backend=self.backend)
                 o, _ = merge_attention(o_prefix, lse_prefix, o, lse)
+        k, v = k_write, v_write
         k_buf, v_buf = state.k_buf, state.v_buf
         if not state.read_only:
             if k_buf is None:  # first call: allocate the stores in the dtype attention consumes

@@ -37,18 +37,24 @@ class ShortConv(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y [B, T, channels], new_tail [B, kernel_size - 1, channels])``."""
-        return short_conv(x, self.weight, self.bias, tail, self.activation, self.backend)
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, *,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(y [B, T, channels], new_tail [B, kernel_size - 1, channels])``; with
+        ``cu_seqlens`` (packed ``x [1, total, channels]``) the tails are per document ``[N, ...]``."""
+        return short_conv(x, self.weight, self.bias, tail, self.activation, self.backend, cu_seqlens=cu_seqlens)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               tail: torch.Tensor | None, activation: str | None, backend: str = "auto"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               tail: torch.Tensor | None, activation: str | None, backend: str = "auto", *,
+               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`ShortConv` as a function: ``x [B, T, channels]``, ``weight [channels, kernel_size]``,
     ``bias [channels]`` or None, ``tail [B, kernel_size - 1, channels]`` or None ->
-    ``(y [B, T, channels], new_tail)``; T=1 with a tail takes the single-step form."""
+    ``(y [B, T, channels], new_tail)``; T=1 with a tail takes the single-step form.
+    ``cu_seqlens`` (int32 ``[N + 1]``): packed documents in ``x [1, total, channels]``, no tail
+    crosses a boundary; ``tail`` and ``new_tail`` are then per document, ``[N, kernel_size - 1, channels]``."""
+    if cu_seqlens is not None:
+        return sharded(causal_conv1d)(x, weight, bias, initial_state=tail, output_final_state=True,
+                                      activation=activation, backend=backend, cu_seqlens=cu_seqlens)
     if x.shape[1] == 1 and tail is not None:
         y, new_tail = causal_conv1d_step(x[:, 0], weight, bias, tail, activation=activation)
         return y[:, None], new_tail

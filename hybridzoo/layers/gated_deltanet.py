@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.kernels import chunk_delta_rule, delta_rule_step
-from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, projection_input
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, next_offset, projection_input
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm, l2_normalize
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -191,14 +191,16 @@ class GatedDeltaNet(Mixer):
             "conv": ((batch_size, self.config.conv_size - 1, self.conv_dim), dtype),
         }
 
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
+    def mix(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``; ``cu_seqlens``:
+        packed documents (``B = 1``, per-document states ``[N, ...]``; see :meth:`Mixer.forward`)."""
         batch, length, _ = x.shape
         Hk, H, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         compute = state_dtype(x.dtype)                                      # float32 (float64)
         h = projection_input(x)  # one autocast copy shared by the four projections
-        qkv, conv_tail = self.conv1d(self.in_proj_qkv(h), None if state is None else state.conv)
+        qkv, conv_tail = self.conv1d(self.in_proj_qkv(h), None if state is None else state.conv,
+                                      cu_seqlens=cu_seqlens)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # q, k normalised in float32, then handed to the kernel in the activation dtype (bf16
         # under autocast: tensor-core dots; float32 q/k would force exact fp32 dots, ~10x slower)
@@ -213,7 +215,7 @@ class GatedDeltaNet(Mixer):
             self.in_proj_a(h).to(compute) + self.dt_bias.to(compute))       # [B, T, H] <= 0
 
         scale = K ** -0.5
-        if length == 1 and state is not None:
+        if length == 1 and state is not None and cu_seqlens is None:
             o, recurrent = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_a[:, 0], beta[:, 0],
                                            state.recurrent, scale=scale)
             o = o[:, None]
@@ -221,9 +223,10 @@ class GatedDeltaNet(Mixer):
             o, recurrent = sharded(chunk_delta_rule)(
                 q, k, v, log_a, beta, scale=scale,
                 initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend)
+                output_final_state=True, chunk_size=self.config.chunk_size, backend=self.backend,
+                **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
         y = self.norm(o, z).reshape(batch, length, self.value_dim)          # per value head
-        offset = length + (0 if state is None else state.offset)
+        offset = next_offset(cu_seqlens, length, 0 if state is None else state.offset)
         out = self.out_proj(y.to(x.dtype))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hybridzoo.kernels import chunk_linear_attn, linear_attn_step
-from hybridzoo.layers.base import Mixer, projection_input
+from hybridzoo.layers.base import Mixer, document_positions, next_offset, projection_input
 from hybridzoo.layers.conv import ShortConv
 from hybridzoo.layers.norms import GatedRMSNorm, RMSNorm
 from hybridzoo.layers.state import RecurrentState, state_dtype
@@ -138,10 +138,11 @@ class LinearAttentionMixer(Mixer):
         head) or ``[B, T, H, K]`` (one per key), in the state dtype (float32; float64 kept)."""
         raise NotImplementedError
 
-    def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Position encoding of ``q [B, T, H, K]`` and ``k [B, T, Hkv, K]`` whose first token is
-        at position ``offset``; same shapes and dtypes. Default: none."""
+        at position ``offset`` (or at ``positions [T]``, packed documents); same shapes and
+        dtypes. Default: none."""
         return q, k
 
     # ---- shared body --------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class LinearAttentionMixer(Mixer):
             fields["conv"] = ((batch_size, self.config.conv_size - 1, sum(self.conv_channels)), dtype)
         return fields
 
-    def _qkv(self, x: torch.Tensor, conv: torch.Tensor | None
+    def _qkv(self, x: torch.Tensor, conv: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Projections (and short convs): q ``[B, T, key_dim]``, k, v, and the new conv tail."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -175,26 +176,28 @@ class LinearAttentionMixer(Mixer):
             return q, k, v, None
         tails = [None] * 3 if conv is None else conv.split(self.conv_channels, dim=-1)
         (q, tail_q), (k, tail_k), (v, tail_v) = (
-            conv1d(u, tail) for conv1d, u, tail in
+            conv1d(u, tail, cu_seqlens=cu_seqlens) for conv1d, u, tail in
             zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v), tails))
         return q, k, v, torch.cat([tail_q, tail_k, tail_v], dim=-1)
 
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
+    def mix(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``."""
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``; ``cu_seqlens``:
+        packed documents (``B = 1``, per-document states ``[N, ...]``; see :meth:`Mixer.forward`)."""
         cfg, G = self.config, self.num_kv_groups
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         offset = sequence_start(x.shape[1]) if state is None else state.offset
+        positions = None if cu_seqlens is None else document_positions(cu_seqlens, x.shape[1], offset)
         x = projection_input(x)  # one autocast copy shared by every projection (and its backward)
-        q, k, v, conv = self._qkv(x, None if state is None else state.conv)
-        q, k = self.positions(q.unflatten(-1, (H, K)), k.unflatten(-1, (H // G, K)), offset)
+        q, k, v, conv = self._qkv(x, None if state is None else state.conv, cu_seqlens)
+        q, k = self.positions(q.unflatten(-1, (H, K)), k.unflatten(-1, (H // G, K)), offset, positions)
         # key/value head j serves query heads j*G .. j*G + G - 1 (fla's repeat '(h g)')
         v = v.unflatten(-1, (H // G, V))
         if G > 1:  # (repeat_interleave copies even for G = 1)
             k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)   # [B, T, H, K / V]
         log_a = self.decays(x)
 
-        if x.shape[1] == 1 and state is not None:
+        if x.shape[1] == 1 and state is not None and cu_seqlens is None:
             o, recurrent = linear_attn_step(q[:, 0], k[:, 0], v[:, 0], log_a[:, 0], state.recurrent,
                                             scale=self.scale)
             o = o[:, None]
@@ -202,11 +205,13 @@ class LinearAttentionMixer(Mixer):
             o, recurrent = sharded(chunk_linear_attn)(
                 q, k, v, log_a, scale=self.scale,
                 initial_state=None if state is None else state.recurrent,
-                output_final_state=True, chunk_size=cfg.chunk_size, backend=self.backend)
+                output_final_state=True, chunk_size=cfg.chunk_size, backend=self.backend,
+                **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
 
         if cfg.use_output_gate:
             o = self.g_norm_swish_gate(o, self.g_proj(x).unflatten(-1, (H, V)))
         else:
             o = self.g_norm(o)
         y = self.o_proj(o.flatten(-2))
-        return y, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv, offset=offset + x.shape[1])
+        return y, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv,
+                                 offset=next_offset(cu_seqlens, x.shape[1], offset))

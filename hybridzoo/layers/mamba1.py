@@ -21,6 +21,7 @@ state takes :func:`hybridzoo.kernels.selective_scan_step`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from torch import nn
 from hybridzoo.kernels import selective_scan, selective_scan_grads, selective_scan_saved, selective_scan_step
 from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers import recompute
-from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_
+from hybridzoo.layers.base import Mixer, activation_dtype, init_dt_bias_, next_offset
 from hybridzoo.layers.conv import ShortConv, short_conv
 from hybridzoo.layers.mamba1_inner import Mamba1Inner
 from hybridzoo.layers.recompute import Kept, maybe_recomputed, plain_modules
@@ -141,9 +142,11 @@ class Mamba1(Mixer):
             "conv": ((batch_size, self.config.d_conv - 1, self.d_inner), dtype),
         }
 
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
+    def mix(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``; ``cu_seqlens``:
+        packed documents (``B = 1``, per-document states ``[N, ...]``; see :meth:`Mixer.forward`),
+        passed to the conv and the scan of every path below (the fused one is not taken).
 
         With a gradient wanted, everything between ``in_proj`` and ``out_proj`` is recomputed in
         the backward: on our Triton kernels, for a whole sequence without a carried state, by
@@ -154,11 +157,15 @@ class Mamba1(Mixer):
         from (:func:`~hybridzoo.kernels.selective_scan_saved`; with our Triton backend one state
         per 16 tokens, float32)."""
         if not plain_modules(self.conv1d, self.x_proj):
-            return self._mix_modules(x, state)
+            return self._mix_modules(x, state, cu_seqlens)
         xz = self.in_proj(x)
         params = (self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                   self.dt_proj.bias, self.A_log, self.D)
-        if self._fused_inner(xz, params, state):
+        if cu_seqlens is not None:
+            tensors = (xz, *params, None if state is None else state.conv, None if state is None else state.recurrent)
+            y, conv_tail, recurrent = maybe_recomputed(functools.partial(self._inner, cu_seqlens=cu_seqlens),
+                                                       *tensors, keeps=True)
+        elif self._fused_inner(xz, params, state):
             device = xz.device.type
             cast = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                     and xz.dtype == torch.get_autocast_dtype(device) else None)
@@ -166,7 +173,7 @@ class Mamba1(Mixer):
         else:
             tensors = (xz, *params, None if state is None else state.conv, None if state is None else state.recurrent)
             y, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
-        offset = x.shape[1] + (0 if state is None else state.offset)
+        offset = next_offset(cu_seqlens, x.shape[1], 0 if state is None else state.offset)
         out = self.out_proj(y.to(activation_dtype(x)))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
@@ -180,31 +187,36 @@ class Mamba1(Mixer):
                 and recompute.wants_recompute(xz, *params)
                 and runs_on_triton(self.backend, xz.device, ("causal_conv1d", "selective_scan")))
 
-    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
+    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, RecurrentState]:
         """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
         taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
+        def conv(x_in, tail):
+            return self.conv1d(x_in, tail, cu_seqlens=cu_seqlens)
+
         y, conv_tail, recurrent = self._body(
-            self.in_proj(x), self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-            self.D, None if state is None else state.conv, None if state is None else state.recurrent)
-        offset = x.shape[1] + (0 if state is None else state.offset)
+            self.in_proj(x), conv, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
+            self.D, None if state is None else state.conv, None if state is None else state.recurrent,
+            cu_seqlens=cu_seqlens)
+        offset = next_offset(cu_seqlens, x.shape[1], 0 if state is None else state.offset)
         out = self.out_proj(y.to(x.dtype))
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log,
-               D, conv_tail, recurrent, keep: Kept | None = None):
+               D, conv_tail, recurrent, keep: Kept | None = None, cu_seqlens: torch.Tensor | None = None):
         """From ``in_proj``'s output ``xz [B, T, 2·d_inner]`` (the activation dtype) to the gated
         scan output ``[B, T, d_inner]`` (xz's dtype), with the new conv tail and recurrent state.
         The parameters come in as arguments (see :meth:`mix`); ``keep`` (see
         :class:`~hybridzoo.layers.recompute.Kept`) keeps the scan's saved states."""
         def conv(x_in, tail):
-            return short_conv(x_in, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend)
+            return short_conv(x_in, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend,
+                              cu_seqlens=cu_seqlens)
 
         return self._body(xz, conv, lambda u: F.linear(u, x_proj_weight), dt_proj_weight, dt_proj_bias, A_log,
-                          D, conv_tail, recurrent, keep)
+                          D, conv_tail, recurrent, keep, cu_seqlens)
 
     def _body(self, xz, conv, x_proj, dt_proj_weight, dt_proj_bias, A_log, D, conv_tail, recurrent,
-              keep: Kept | None = None):
+              keep: Kept | None = None, cu_seqlens: torch.Tensor | None = None):
         """The mixer between ``in_proj`` and ``out_proj``, shared by :meth:`_inner` (weights as
         tensors) and :meth:`_mix_modules` (submodules): ``conv(x_in, tail) -> (u, tail)`` and
         ``x_proj(u)`` are the short convolution and the x projection either way. Returns the gated
@@ -214,29 +226,36 @@ class Mamba1(Mixer):
         dt, B, C = x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = F.linear(dt, dt_proj_weight)                                # bias added in the scan
         A = -torch.exp(A_log.to(state_dtype(A_log.dtype)))                  # [d_inner, N]
-        if xz.shape[1] == 1 and recurrent is not None:
+        if xz.shape[1] == 1 and recurrent is not None and cu_seqlens is None:
             y, recurrent = selective_scan_step(
                 u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0],
                 delta_bias=dt_proj_bias, delta_softplus=True, state=recurrent)
             return y[:, None], conv_tail, recurrent
         if keep is not None and self.config.keep_scan_states:  # recomputed: the first run's saved states
-            y, recurrent, _ = keep.op(self._scan_saved, self._scan_grads, (u, delta, A, B, C, D, z, dt_proj_bias,
+            saved, grads = self._scan_saved, self._scan_grads
+            if cu_seqlens is not None:
+                saved = functools.partial(saved, cu_seqlens=cu_seqlens)
+                grads = functools.partial(grads, cu_seqlens=cu_seqlens)
+            y, recurrent, _ = keep.op(saved, grads, (u, delta, A, B, C, D, z, dt_proj_bias,
                                       recurrent), keep_values=(False, False, True), grads_take_outputs=True)
             return y, conv_tail, recurrent
         y, recurrent = sharded(selective_scan)(
             u, delta, A, B, C, D, z, delta_bias=dt_proj_bias, delta_softplus=True,
-            initial_state=recurrent, output_final_state=True, backend=self.backend)
+            initial_state=recurrent, output_final_state=True, backend=self.backend,
+            **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
         return y, conv_tail, recurrent
 
-    def _scan_saved(self, u, delta, A, B, C, D, z, delta_bias, initial_state):
+    def _scan_saved(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens=None):
         """The scan with no graph: ``(y, final state, saved)`` (y and the final state are only
         returned by the body, so only ``saved`` is kept)."""
-        return selective_scan_saved(u, delta, A, B, C, D, z, delta_bias, True, initial_state, backend=self.backend)
+        return selective_scan_saved(u, delta, A, B, C, D, z, delta_bias, True, initial_state,
+                                    cu_seqlens=cu_seqlens, backend=self.backend)
 
-    def _scan_grads(self, u, delta, A, B, C, D, z, delta_bias, initial_state, y, final, saved, dy, dfinal, dsaved):
+    def _scan_grads(self, u, delta, A, B, C, D, z, delta_bias, initial_state, y, final, saved, dy, dfinal, dsaved,
+                    cu_seqlens=None):
         """The backward of :meth:`_scan_saved` from its ``saved`` states, without a second forward."""
         return selective_scan_grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal,
-                                    delta_softplus=True, backend=self.backend)
+                                    delta_softplus=True, cu_seqlens=cu_seqlens, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "

@@ -21,6 +21,7 @@ takes :func:`hybridzoo.kernels.linear_attn_step`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from hybridzoo.kernels import chunk_linear_attn, chunk_linear_attn_grads, linear_attn_step
 from hybridzoo.kernels._dispatch import runs_on_triton
 from hybridzoo.layers import recompute
-from hybridzoo.layers.base import Mixer, init_dt_bias_
+from hybridzoo.layers.base import Mixer, init_dt_bias_, next_offset
 from hybridzoo.layers.conv import ShortConv, short_conv
 from hybridzoo.layers.mamba2_inner import NO_LIMIT, Mamba2Inner, d_skip, ssd_inputs
 from hybridzoo.layers.norms import GatedRMSNorm, _fused_kernels, gated_rms_norm
@@ -139,9 +140,11 @@ class Mamba2(Mixer):
             "conv": ((batch_size, self.config.d_conv - 1, self.conv_dim), dtype),
         }
 
-    def mix(self, x: torch.Tensor, state: RecurrentState | None
+    def mix(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, RecurrentState]:
-        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``.
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model] in x.dtype, state)``; ``cu_seqlens``:
+        packed documents (``B = 1``, per-document states ``[N, ...]``; see :meth:`Mixer.forward`),
+        passed to the conv and the scan of every path below (the fused one is not taken).
 
         With a gradient wanted, everything after ``in_proj`` runs recomputed in the backward: on
         our Triton kernels, for a whole sequence without a carried state, by
@@ -150,11 +153,16 @@ class Mamba2(Mixer):
         input and output and the scan's output, as mamba_ssm's fused path does; the backward
         reruns the conv, gates and norm, not the scan's forward nor ``out_proj``."""
         if not plain_modules(self.conv1d, self.norm, self.out_proj):
-            return self._mix_modules(x, state)
+            return self._mix_modules(x, state, cu_seqlens)
         zxbcdt = self.in_proj(x)
         params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
                   self.out_proj.weight, self.out_proj.bias)
-        if self._fused_inner(zxbcdt, params, state):
+        if cu_seqlens is not None:
+            tensors = (zxbcdt, *params, None if state is None else state.conv,
+                       None if state is None else state.recurrent)
+            out, conv_tail, recurrent = maybe_recomputed(functools.partial(self._inner, cu_seqlens=cu_seqlens),
+                                                         *tensors, keeps=True)
+        elif self._fused_inner(zxbcdt, params, state):
             cfg = self.config
             shape = (self.n_heads, self.head_dim, self.n_groups, self.d_state, cfg.chunk_size, self.norm.eps,
                      self.norm.group_size)
@@ -163,7 +171,7 @@ class Mamba2(Mixer):
             tensors = (zxbcdt, *params, None if state is None else state.conv,
                        None if state is None else state.recurrent)
             out, conv_tail, recurrent = maybe_recomputed(self._inner, *tensors, keeps=True)
-        offset = x.shape[1] + (0 if state is None else state.offset)
+        offset = next_offset(cu_seqlens, x.shape[1], 0 if state is None else state.offset)
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _fused_inner(self, zxbcdt: torch.Tensor, params: tuple, state: RecurrentState | None) -> bool:
@@ -178,24 +186,29 @@ class Mamba2(Mixer):
                 and runs_on_triton(self.backend, zxbcdt.device, ("causal_conv1d", "chunk_linear_attn"))
                 and _fused_kernels(self.norm.group_size, zxbcdt, self.norm.weight) is not None)
 
-    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None
+    def _mix_modules(self, x: torch.Tensor, state: RecurrentState | None, cu_seqlens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, RecurrentState]:
         """:meth:`mix` through the submodules (called as modules, everything kept for the backward):
         taken when one of them is replaced or hooked (:func:`~hybridzoo.layers.recompute.plain_modules`)."""
+        def conv(xBC, tail):
+            return self.conv1d(xBC, tail, cu_seqlens=cu_seqlens)
+
         out, conv_tail, recurrent = self._body(
-            self.in_proj(x), self.conv1d, self.norm, lambda y: self.out_proj(y.to(x.dtype)), self.dt_bias,
-            self.A_log, self.D, None if state is None else state.conv, None if state is None else state.recurrent)
-        offset = x.shape[1] + (0 if state is None else state.offset)
+            self.in_proj(x), conv, self.norm, lambda y: self.out_proj(y.to(x.dtype)), self.dt_bias,
+            self.A_log, self.D, None if state is None else state.conv, None if state is None else state.recurrent,
+            cu_seqlens=cu_seqlens)
+        offset = next_offset(cu_seqlens, x.shape[1], 0 if state is None else state.offset)
         return out, RecurrentState(kind=self.kind, recurrent=recurrent, conv=conv_tail, offset=offset)
 
     def _inner(self, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight,
-               out_bias, conv_tail, recurrent, keep: Kept | None = None):
+               out_bias, conv_tail, recurrent, keep: Kept | None = None, cu_seqlens: torch.Tensor | None = None):
         """From ``in_proj``'s output ``zxbcdt [B, T, 2·d_inner + 2GN + H]`` (the activation dtype)
         to the mixer's output ``[B, T, d_model]`` (the same dtype), with the new conv tail and
         recurrent state. The parameters come in as arguments (see :meth:`mix`); ``keep`` (see
         :class:`~hybridzoo.layers.recompute.Kept`) keeps the scan's output for the backward."""
         def conv(xBC, tail):
-            return short_conv(xBC, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend)
+            return short_conv(xBC, conv_weight, conv_bias, tail, self.conv1d.activation, self.backend,
+                              cu_seqlens=cu_seqlens)
 
         def norm(y, z):
             return gated_rms_norm(y, z, norm_weight, self.norm.eps, self.norm.group_size, self.norm.norm_before_gate)
@@ -205,9 +218,10 @@ class Mamba2(Mixer):
             linear = (y.to(dtype), out_weight.to(dtype), None if out_bias is None else out_bias.to(dtype))
             return kept_op(keep, lambda *a: (F.linear(*a),), linear_grads, linear, keep_values=False)[0]
 
-        return self._body(zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep)
+        return self._body(zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep, cu_seqlens)
 
-    def _body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep: Kept | None = None):
+    def _body(self, zxbcdt, conv, norm, out, dt_bias, A_log, D, conv_tail, recurrent, keep: Kept | None = None,
+              cu_seqlens: torch.Tensor | None = None):
         """The mixer after ``in_proj``, shared by :meth:`_inner` (weights as tensors) and
         :meth:`_mix_modules` (submodules): ``conv(xBC, tail) -> (xBC, tail)``, ``norm(y, z)`` (the
         gated RMSNorm) and ``out(y)`` (``out_proj``) are called either way. Returns the output
@@ -220,33 +234,41 @@ class Mamba2(Mixer):
         xs = xs.unflatten(-1, (H, P))                                       # [B, T, H, P]
         B, C = B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))              # [B, T, G, N]
 
-        y, recurrent = self._ssd(xs, B, C, dt, dt_bias, A_log, D, recurrent, keep)
+        y, recurrent = self._ssd(xs, B, C, dt, dt_bias, A_log, D, recurrent, keep, cu_seqlens)
         y = norm(y.reshape(batch, length, self.d_inner), z)
         return out(y), conv_tail, recurrent
 
-    def _ssd(self, xs, B, C, dt, dt_bias, A_log, D, recurrent, keep: Kept | None = None):
+    def _ssd(self, xs, B, C, dt, dt_bias, A_log, D, recurrent, keep: Kept | None = None,
+             cu_seqlens: torch.Tensor | None = None):
         """The SSD part of :meth:`_body`, from the conv's output (``xs [B, T, H, P]``, ``B``, ``C``
         ``[B, T, G, N]``) and ``in_proj``'s raw ``dt [B, T, H]`` to ``y + D x`` (``[B, T, H, P]``
         float32, float64 for float64) and the recurrent state."""
         _, _, _, log_a, v = ssd_inputs(xs, dt, dt_bias, A_log, self.config.time_step_limit)
-        if xs.shape[1] == 1 and recurrent is not None:
+        if xs.shape[1] == 1 and recurrent is not None and cu_seqlens is None:
             y, recurrent = linear_attn_step(C[:, 0], B[:, 0], v[:, 0], log_a[:, 0], recurrent, scale=1.0)
             y = y[:, None]
         else:
-            y, recurrent = kept_op(keep, self._scan, self._scan_grads, (C, B, v, log_a, recurrent),
+            scan, grads = self._scan, self._scan_grads
+            if cu_seqlens is not None:
+                scan = functools.partial(scan, cu_seqlens=cu_seqlens)
+                grads = functools.partial(grads, cu_seqlens=cu_seqlens)
+            y, recurrent = kept_op(keep, scan, grads, (C, B, v, log_a, recurrent),
                                    keep_values=(True, False))   # the final state is only returned
         return d_skip(y, D, xs), recurrent
 
-    def _scan(self, C, B, v, log_a, initial_state):
-        """SSD: ``(y [B, T, H, P] in v.dtype, final state [B, H, N, P])``."""
+    def _scan(self, C, B, v, log_a, initial_state, cu_seqlens=None):
+        """SSD: ``(y [B, T, H, P] in v.dtype, final state [B, H, N, P])`` (``[N, H, N, P]``, one
+        per document, with ``cu_seqlens``)."""
         return sharded(chunk_linear_attn)(C, B, v, log_a, scale=1.0, initial_state=initial_state,
                                           output_final_state=True, chunk_size=self.config.chunk_size,
-                                          backend=self.backend)
+                                          backend=self.backend,
+                                          **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
 
-    def _scan_grads(self, C, B, v, log_a, initial_state, dy, dfinal):
+    def _scan_grads(self, C, B, v, log_a, initial_state, dy, dfinal, cu_seqlens=None):
         """The backward of :meth:`_scan` without its forward (its output was kept)."""
         return chunk_linear_attn_grads(C, B, v, log_a, initial_state, dy, dfinal, scale=1.0,
-                                       chunk_size=self.config.chunk_size, backend=self.backend)
+                                       chunk_size=self.config.chunk_size, cu_seqlens=cu_seqlens,
+                                       backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, heads={self.n_heads}x{self.head_dim}, "

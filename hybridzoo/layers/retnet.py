@@ -88,7 +88,8 @@ class RetNet(LinearAttentionMixer):
         H = self.num_heads
         return retention_log_decays(H, state_dtype(x.dtype), x.device).expand(batch, length, H)
 
-    def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary over all K channels, positions ``offset, offset + 1, ...``."""
-        return self.rotary.pair(q, k, offset=offset)  # one cos / sin table for both
+    def positions(self, q: torch.Tensor, k: torch.Tensor, offset: int,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary over all K channels, positions ``offset, offset + 1, ...`` (or ``positions [T]``:
+        packed documents, restarting at each)."""
+        return self.rotary.pair(q, k, offset=offset, positions=positions)  # one cos / sin table for both

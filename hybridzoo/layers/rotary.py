@@ -78,17 +78,23 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        return self.pair(x, offset=offset)[0]
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.pair(x, offset=offset, positions=positions)[0]
 
-    def pair(self, *xs: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, ...]:
+    def pair(self, *xs: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, ...]:
         """Rotate each of ``xs`` (e.g. q and k, ``[B, T, H_i, head_dim]``, one T and dtype) at
-        positions ``offset ..``, with the cos / sin tables computed once for all of them."""
+        positions ``offset ..``, or at ``positions`` (int ``[T]``, e.g. restarting at 0 at each
+        packed document: :func:`hybridzoo.layers.base.document_positions`), with the cos / sin
+        tables computed once for all of them."""
         x = xs[0]
         if any(t.shape[1] != x.shape[1] or t.dtype != x.dtype or t.device != x.device for t in xs):
             raise ValueError("Rotary.pair: the tensors must share T, dtype and device, got "
                              f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in xs]}")
-        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        if positions is None:
+            positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        elif positions.shape != (x.shape[1],):
+            raise ValueError(f"Rotary.pair: positions must be [T = {x.shape[1]}], got {tuple(positions.shape)}")
         if fused.applies(*xs) and all(t.dim() == 4 for t in xs):  # one Triton pass each way (float32 on chip)
             freqs = self.angles(positions, x.dtype)
             cos, sin = freqs.cos(), freqs.sin()

@@ -41,6 +41,9 @@ class ContextParallel:
     rank: int
     size: int
     check: bool = True
+    #: packed documents (set by HybridLM for one call): the position within its document of this
+    #: rank's first token (> 0: it continues the previous rank's last document); None: no documents
+    first_position: int | None = None
 
 
 _ACTIVE: ContextParallel | None = None
@@ -87,13 +90,19 @@ def suspended():
 
 
 def _sharded_attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False,
-                       backend="auto", cp: ContextParallel):
+                       backend="auto", cp: ContextParallel, cu_seqlens=None):
     from hybridzoo.parallel.ring_attention import ring_attention
 
     if prefix is not None or return_lse:
         raise ContextParallelError("attention: a sharded call takes no K/V prefix and returns no lse")
+    documents = {}
+    if cu_seqlens is not None:
+        if cp.first_position is None:
+            raise ContextParallelError("attention: under context_parallel() packed documents come through "
+                                       "the model: HybridLM(ids, position_ids=...) with each rank's slice")
+        documents = {"cu_seqlens": cu_seqlens, "first_position": cp.first_position}
     return ring_attention(q, k, v, window=window, scale=scale, group=cp.group, layout="contiguous",
-                          backend=backend, check=cp.check), None
+                          backend=backend, check=cp.check, **documents), None
 
 
 def _sharded_shift_labels(labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -127,8 +136,9 @@ def sharded(op: Callable) -> Callable:
 
     name = getattr(op, "__name__", repr(op))
     if name in ("chunk_linear_attn", "chunk_delta_rule", "selective_scan", "causal_conv1d"):
+        documents = {} if cp.first_position is None else {"continues": cp.first_position > 0}
         return functools.partial(getattr(recurrent_ops, name), group=cp.group, method=cp.method,
-                                 check=cp.check)
+                                 check=cp.check, **documents)
     if name == "attention":
         return functools.partial(_sharded_attention, cp=cp)
     if name == "shift_labels":
@@ -139,16 +149,27 @@ def sharded(op: Callable) -> Callable:
 
 
 def sequence_start(local_len: int) -> int:
-    """Absolute position of this rank's first token (0 outside a context)."""
-    return 0 if _ACTIVE is None else _ACTIVE.rank * local_len
+    """Absolute position of this rank's first token (0 outside a context); with packed documents
+    its position within its document."""
+    if _ACTIVE is None:
+        return 0
+    if _ACTIVE.first_position is not None:
+        return _ACTIVE.first_position
+    return _ACTIVE.rank * local_len
 
 
-def check_mixer(mixer, state) -> None:
-    """Inside a context: refuse a mixer without a sharded path and a carried state."""
+def check_mixer(mixer, state, cu_seqlens=None) -> None:
+    """Inside a context: refuse a mixer without a sharded path, a carried state and packed
+    documents (``cu_seqlens``)."""
     cp = _ACTIVE
     if cp is None:
         return
     name = type(mixer).__name__
+    if cu_seqlens is not None:
+        if cp.first_position is None:
+            raise ContextParallelError(
+                f"{name}: under context_parallel() packed documents come through the model: "
+                f"HybridLM(ids, position_ids=...) with each rank's slice of the position_ids")
     if not getattr(mixer, "context_parallel", False):
         raise ContextParallelError(f"{name} (kind {getattr(mixer, 'kind', '?')!r}) has no sharded path "
                                    f"(context parallelism); run it outside context_parallel()")
@@ -158,8 +179,9 @@ def check_mixer(mixer, state) -> None:
 
 
 @contextlib.contextmanager
-def model_call(inputs: torch.Tensor, state):
-    """Around a model's forward: one shape check for the whole call, none per op."""
+def model_call(inputs: torch.Tensor, state, first_position: int | None = None):
+    """Around a model's forward: one shape check for the whole call, none per op;
+    ``first_position``: packed documents (see :class:`ContextParallel`)."""
     cp = _ACTIVE
     if cp is None:
         yield
@@ -169,10 +191,25 @@ def model_call(inputs: torch.Tensor, state):
     if cp.check:
         check_same_shapes(cp.group, "HybridLM (context parallel)", (inputs,))
     previous, cp.check = cp.check, False
+    cp.first_position = first_position
     try:
         yield
     finally:
         cp.check = previous
+        cp.first_position = None
+
+
+def sharded_document_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Targets of this rank's slice of packed documents (``[1, T]`` labels and position_ids):
+    the shifted labels, -100 where the next token (on this rank or the next) starts a document
+    (position 0) and at the sequence's end."""
+    cp = _ACTIVE
+    targets = _sharded_shift_labels(labels, cp)
+    nxt = shift(position_ids[:, :1].contiguous(), -1, cp.group)
+    if cp.rank == cp.size - 1:
+        nxt = torch.zeros_like(nxt)
+    following = torch.cat([position_ids[:, 1:], nxt], dim=1)
+    return targets.masked_fill(following == 0, -100)
 
 
 def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1) -> torch.Tensor:

@@ -63,9 +63,21 @@ def _incoming(kind: str, a: torch.Tensor, s_loc: torch.Tensor, initial_state, ra
     return s_in
 
 
+def _documents(op: str, cu_seqlens, initial_state, continues: bool):
+    """``(cu as host ints, first document's length, its continuation as 0. / 1.)`` of a packed
+    sharded call (see :func:`chunk_linear_attn`), or None without documents."""
+    if cu_seqlens is None:
+        return None
+    if initial_state is not None:
+        raise ContextParallelError(f"{op}: a sharded call with packed documents takes no initial_state")
+    cu = cu_seqlens.tolist()
+    return cu, cu[1], 1.0 if continues else 0.0
+
+
 def chunk_linear_attn(q, k, v, log_a=None, *, scale=None, initial_state=None,
                       output_final_state=False, chunk_size=64, backend="auto",
-                      group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+                      group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True,
+                      cu_seqlens=None, continues: bool = False):
     """Sharded :func:`hybridzoo.kernels.chunk_linear_attn` (scalar ``[B, T, H]``, per-key
     ``[B, T, H, K]`` or no decay). Shapes and dtypes as there, ``T`` = this rank's tokens.
 
@@ -73,7 +85,17 @@ def chunk_linear_attn(q, k, v, log_a=None, *, scale=None, initial_state=None,
     or float64), a diagonal map. Correction: ``o_t += scale · (exp(Σ_{s<=t} log_a_s) ⊙ q_t)ᵀ S_in``
     (a sum of logs, never a difference of cumulative sums). Messages carry ``[B, H, K, V]`` states
     and ``A`` (``H`` or ``H·K`` numbers per batch row).
+
+    Packed documents (every op here): ``cu_seqlens`` are this rank's local boundaries (``B = 1``)
+    and ``continues`` says whether its first document continues the previous rank's last one. The
+    rank's map is then that of its last document: ``A`` is the first document's transition when
+    the slice holds one document that continues, else 0 (a boundary inside resets the state);
+    ``S_in`` corrects only the first document, and only when it continues (multiplied by 0
+    otherwise, so that every rank's backward joins the scan's messages). Final states per document.
     """
+    if cu_seqlens is not None:
+        return _packed_linear_attn(q, k, v, log_a, scale, output_final_state, chunk_size, backend,
+                                   group, method, check, cu_seqlens, continues, initial_state)
     rank = _enter(group, "chunk_linear_attn", (q, k, v, log_a), check)
     o_loc, s_loc = kernels.chunk_linear_attn(q, k, v, log_a, scale=scale, initial_state=None,
                                              output_final_state=True, chunk_size=chunk_size,
@@ -94,9 +116,37 @@ def chunk_linear_attn(q, k, v, log_a=None, *, scale=None, initial_state=None,
     return o, (a * s_in + s_loc if output_final_state else None)
 
 
+def _packed_linear_attn(q, k, v, log_a, scale, output_final_state, chunk_size, backend, group, method,
+                        check, cu_seqlens, continues, initial_state):
+    """:func:`chunk_linear_attn` of a packed slice (see there)."""
+    rank = _enter(group, "chunk_linear_attn", (q, k, v, log_a), check)
+    cu, first, cont = _documents("chunk_linear_attn", cu_seqlens, initial_state, continues)
+    o_loc, s_docs = kernels.chunk_linear_attn(q, k, v, log_a, scale=scale, output_final_state=True,
+                                              chunk_size=chunk_size, backend=backend, cu_seqlens=cu_seqlens)
+    B, T, Hk, K = q.shape
+    H = v.shape[2]
+    dtype = s_docs.dtype
+    if log_a is None:
+        cum = torch.zeros(B, first, H, 1, dtype=dtype, device=q.device)
+    else:
+        cum = log_a[:, :first].to(dtype).cumsum(1)
+        cum = cum[..., None] if log_a.dim() == 3 else cum                # [1, first, H, 1 or K]
+    a_first = torch.exp(cum[:, -1])[..., None]                           # [1, H, 1 or K, 1]
+    a = a_first * (cont if len(cu) == 2 else 0.0)
+    s_in = _incoming("diag", a, s_docs[-1:], None, rank, group, method) * cont
+    scale = K ** -0.5 if scale is None else scale
+    q_dec = q[:, :first].to(dtype).repeat_interleave(H // Hk, dim=2) * torch.exp(cum)
+    corr = (scale * torch.einsum("bthk,bhkv->bthv", q_dec, s_in)).to(o_loc.dtype)
+    o = torch.cat([o_loc[:, :first] + corr, o_loc[:, first:]], dim=1)
+    if not output_final_state:
+        return o, None
+    return o, torch.cat([a_first * s_in + s_docs[:1], s_docs[1:]])
+
+
 def chunk_delta_rule(q, k, v, log_a, beta, *, scale=None, initial_state=None,
                      output_final_state=False, chunk_size=64, backend="auto",
-                     group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+                     group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True,
+                     cu_seqlens=None, continues: bool = False):
     """Sharded :func:`hybridzoo.kernels.chunk_delta_rule`. Shapes and dtypes as there.
 
     The transition of a slice, ``M = Π_t a_t (I − β_t k_t k_tᵀ)``, is a full ``K x K`` matrix per
@@ -113,17 +163,28 @@ def chunk_delta_rule(q, k, v, log_a, beta, *, scale=None, initial_state=None,
     travel one rank at a time (only ``S``, not ``M``, is sent), but no kernel waits.
     """
     rank = _enter(group, "chunk_delta_rule", (q, k, v, log_a, beta), check)
+    docs = _documents("chunk_delta_rule", cu_seqlens, initial_state, continues)
     B, T, Hk, K = q.shape
     H, V = v.shape[2], v.shape[3]
     dtype = torch.promote_types(v.dtype, torch.float32)
     eye = torch.eye(K, dtype=dtype, device=q.device).expand(B, H, K, K)
     start = torch.cat([eye, eye.new_zeros(B, H, K, V)], dim=-1)          # [I | 0]
     values = torch.cat([v.new_zeros(B, T, H, K), v], dim=-1)              # [0 | v]
+    if docs is not None:  # [I | 0] for the first document only: w and M are its own
+        start = torch.cat([start, start.new_zeros((len(docs[0]) - 2, *start.shape[1:]))])
     out, final = kernels.chunk_delta_rule(q, k, values, log_a, beta, scale=scale, initial_state=start,
                                           output_final_state=True, chunk_size=chunk_size,
-                                          backend=backend)
+                                          backend=backend, **({} if docs is None else {"cu_seqlens": cu_seqlens}))
     w, o_loc = out[..., :K], out[..., K:]
     m, s_loc = final[..., :K], final[..., K:]
+    if docs is not None:
+        cu, first, cont = docs
+        m_first = m[:1]
+        a = m_first * (cont if len(cu) == 2 else 0.0)
+        s_in = _incoming("matrix", a, s_loc[-1:], None, rank, group, method) * cont
+        corr = torch.einsum("bthk,bhkv->bthv", w[:, :first].to(s_in.dtype), s_in).to(o_loc.dtype)
+        o = torch.cat([o_loc[:, :first] + corr, o_loc[:, first:]], dim=1)
+        return o, (torch.cat([m_first @ s_in + s_loc[:1], s_loc[1:]]) if output_final_state else None)
     s_in = _incoming("matrix", m, s_loc, initial_state, rank, group, method)
     o = o_loc + torch.einsum("bthk,bhkv->bthv", w.to(s_in.dtype), s_in).to(o_loc.dtype)
     return o, (m @ s_in + s_loc if output_final_state else None)
@@ -131,7 +192,8 @@ def chunk_delta_rule(q, k, v, log_a, beta, *, scale=None, initial_state=None,
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    initial_state=None, output_final_state=False, *, backend="auto",
-                   group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True):
+                   group: dist.ProcessGroup | None = None, method: str = "scan", check: bool = True,
+                   cu_seqlens=None, continues: bool = False):
     """Sharded :func:`hybridzoo.kernels.selective_scan`. Shapes and dtypes as there.
 
     Transition of a slice: ``exp(A Σ_t Δ_t)`` ``[B, Dm, N]``, elementwise. Correction:
@@ -139,15 +201,26 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     Messages carry ``[B, Dm, N]`` states (and ``A`` of that size in the scan schedule).
     """
     rank = _enter(group, "selective_scan", (u, delta, B, C, z), check)
+    docs = _documents("selective_scan", cu_seqlens, initial_state, continues)
     y_loc, h_loc = kernels.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                          initial_state=None, output_final_state=True, backend=backend)
+                                          initial_state=None, output_final_state=True, backend=backend,
+                                          **({} if docs is None else {"cu_seqlens": cu_seqlens}))
+    h_docs = h_loc
+    if docs is not None:  # the first document is corrected, the last one's state is passed on
+        first = docs[1]
+        delta, C, z = delta[:, :first], C[:, :first], None if z is None else z[:, :first]
+        h_loc = h_docs[-1:]
     dtype = h_loc.dtype
     dt = delta.to(dtype) + (0 if delta_bias is None else delta_bias.to(dtype))
     dt = F.softplus(dt) if delta_softplus else dt
     cum = dt.cumsum(1)                                                   # [B, T, Dm]
     A_ = A.to(dtype)
     a = torch.exp(cum[:, -1, :, None] * A_)                              # [B, Dm, N]
-    h_in = _incoming("diag", a, h_loc, initial_state, rank, group, method)
+    if docs is not None:
+        cu, first, cont = docs
+        h_in = _incoming("diag", a * (cont if len(cu) == 2 else 0.0), h_loc, None, rank, group, method) * cont
+    else:
+        h_in = _incoming("diag", a, h_loc, initial_state, rank, group, method)
     C_ = C.to(dtype)
     if C_.dim() == 3:
         C_ = C_[:, :, None]                                              # [B, T, G, N]
@@ -157,6 +230,9 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
                       for c, cb in zip(cum.split(block, dim=1), C_.split(block, dim=1))], dim=1)
     if z is not None:
         corr = corr * F.silu(z.to(dtype))
+    if docs is not None:
+        y = torch.cat([y_loc[:, :first] + corr.to(y_loc.dtype), y_loc[:, first:]], dim=1)
+        return y, (torch.cat([a * h_in + h_docs[:1], h_docs[1:]]) if output_final_state else None)
     y = y_loc + corr.to(y_loc.dtype)
     return y, (a * h_in + h_loc if output_final_state else None)
 
@@ -170,20 +246,31 @@ def _ssm_correction(cum, C, A, h_in):
 
 def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_state=False,
                   activation=None, backend="auto", group: dist.ProcessGroup | None = None,
-                  method: str = "scan", check: bool = True):
+                  method: str = "scan", check: bool = True, cu_seqlens=None, continues: bool = False):
     """Sharded :func:`hybridzoo.kernels.causal_conv1d`: rank ``p`` receives the last ``W − 1``
     inputs of rank ``p − 1`` (``[B, W-1, Dm]``, one message per rank boundary, and their gradient
     back) and runs the kernel with them as its ``initial_state``. Needs ``T >= W − 1`` per rank.
     ``method`` is accepted for a uniform signature (there is nothing to scan)."""
     rank = _enter(group, "causal_conv1d", (x,), check)
+    docs = _documents("causal_conv1d", cu_seqlens, initial_state, continues)
+    packed = {} if docs is None else {"cu_seqlens": cu_seqlens}
     tail = weight.shape[-1] - 1
     if tail == 0:
         return kernels.causal_conv1d(x, weight, bias, initial_state=None,
                                      output_final_state=output_final_state, activation=activation,
-                                     backend=backend)
+                                     backend=backend, **packed)
     if x.shape[1] < tail:
         raise ContextParallelError(f"causal_conv1d: each rank needs at least W - 1 = {tail} tokens "
                                    f"to pass its tail on, this rank has {x.shape[1]}; use fewer ranks")
+    if docs is not None:  # the last document's inputs only; used by the next rank's first document if it continues
+        cu, first, cont = docs
+        T = x.shape[1]
+        mine = (torch.arange(T - tail, T, device=x.device) >= cu[-2]).to(x.dtype)[None, :, None]
+        received = Shift.apply(x[:, -tail:] * mine, 1, group, False) * cont
+        received = torch.cat([received, received.new_zeros((len(cu) - 2, *received.shape[1:]))])
+        return kernels.causal_conv1d(x, weight, bias, initial_state=received,
+                                     output_final_state=output_final_state, activation=activation,
+                                     backend=backend, **packed)
     received = Shift.apply(x[:, -tail:], 1, group, False)
     if rank == 0 and initial_state is not None:
         received = received + initial_state.to(received.dtype)

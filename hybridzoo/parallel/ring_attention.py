@@ -59,7 +59,8 @@ def ring_rounds(size: int, local_len: int, window: int | None, layout: str) -> i
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None,
                    scale: float | None = None, group: dist.ProcessGroup | None = None,
-                   layout: str = "contiguous", backend: str = "auto", check: bool = True
+                   layout: str = "contiguous", backend: str = "auto", check: bool = True,
+                   cu_seqlens: torch.Tensor | None = None, first_position: int = 0
                    ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sharded sequence.
 
@@ -68,12 +69,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window:
             ``layout`` (``T`` even for ``"zigzag"``), the same ``T`` on every rank.
         window: None (full) or the positions each query sees, itself included.
         scale: default ``D ** -0.5``.
+        cu_seqlens, first_position: packed documents (contiguous layout, ``B = 1``): this rank's
+            local boundaries (int32 ``[N + 1]``) and the position within its document of the
+            rank's first token (> 0: that document began on an earlier rank). A query sees only
+            keys of its own document: the own block through ``cu_seqlens``, an earlier rank's
+            block only for the queries of the first document, from where that document began.
 
     Returns:
         ``o [B, T, Hq, Dv]`` in q.dtype, equal to the single-process attention's rows for these tokens.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"ring_attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    docs = None
+    if cu_seqlens is not None:
+        if layout != "contiguous":
+            raise ContextParallelError("ring_attention: packed documents (cu_seqlens) need the contiguous layout")
+        docs = (cu_seqlens, int(cu_seqlens[1]), first_position)
     rank, size = rank_and_size(group)
     if check:
         check_same_shapes(group, "ring_attention", (q, k, v))
@@ -87,7 +98,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window:
         raise ValueError(f"ring_attention: q, k, v must hold the same tokens, got {q.shape[1]}, "
                          f"{k.shape[1]}, {v.shape[1]}")
     rounds = ring_rounds(size, T, window, layout)
-    return _RingAttention.apply(q, k, v, window, scale, group, layout, backend, rounds)
+    return _RingAttention.apply(q, k, v, window, scale, group, layout, backend, rounds, docs)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -97,7 +108,7 @@ class _RingAttention(torch.autograd.Function):
     wider) travel with it, home after the last round."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window, scale, group, layout, backend, rounds):
+    def forward(ctx, q, k, v, window, scale, group, layout, backend, rounds, docs=None):
         rank, size = rank_and_size(group)
         nseg = len(segments_of(rank, size, layout))
         c = q.shape[1] // nseg
@@ -107,20 +118,20 @@ class _RingAttention(torch.autograd.Function):
             if r:
                 block = shift(block, 1, group, cyclic=True)
             for i, j, q_i, k_j, v_j in _pairs(q, block, k.shape[-1], c, rank, r, size, layout):
-                part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend)
+                part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend, docs)
                 if part is not None:
                     slot = segments_of(rank, size, layout).index(i)
                     merged[slot] = part if merged[slot] is None else kernels.merge_attention(*merged[slot], *part)
         o = torch.cat([m[0] for m in merged], dim=1)
         lse = torch.cat([m[1] for m in merged], dim=1)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (window, scale, group, layout, backend, rounds)
+        ctx.args = (window, scale, group, layout, backend, rounds, docs)
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
-        window, scale, group, layout, backend, rounds = ctx.args
+        window, scale, group, layout, backend, rounds, docs = ctx.args
         rank, size = rank_and_size(group)
         nseg = len(segments_of(rank, size, layout))
         c, D = q.shape[1] // nseg, k.shape[-1]
@@ -140,7 +151,7 @@ class _RingAttention(torch.autograd.Function):
                 rows = slice(si * c, (si + 1) * c)
                 with torch.enable_grad():
                     q_i, k_j, v_j = (t.detach().requires_grad_() for t in (q_i, k_j, v_j))
-                    part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend)
+                    part = _attend(q_i, k_j, v_j, i, j, c, window, scale, backend, docs)
                     if part is None:
                         continue
                     o_b, lse_b = part
@@ -153,7 +164,7 @@ class _RingAttention(torch.autograd.Function):
                 dblock[:, sj * c:(sj + 1) * c] += torch.cat([dk_j, dv_j], dim=-1)
         dblock = shift(dblock, -rounds, group, cyclic=True)                 # home to the owner
         dk, dv = dblock[..., :D], dblock[..., D:]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 7
 
 
 def _pairs(q, block, D, c, rank, r, size, layout):
@@ -167,19 +178,33 @@ def _pairs(q, block, D, c, rank, r, size, layout):
             yield i, j, q_segs[ii], k_j, v_j
 
 
-def _attend(q, k, v, gi: int, gj: int, c: int, window, scale, backend):
+def _attend(q, k, v, gi: int, gj: int, c: int, window, scale, backend, docs=None):
     """Query segment ``gi`` against key segment ``gj`` (segments of ``c`` tokens): ``(o, lse)``, or
-    None when no query sees any key."""
+    None when no query sees any key. ``docs``: ``(cu_seqlens, first document's length, first
+    position)`` of the query segment's rank (packed documents, see :func:`ring_attention`)."""
     if gj > gi:
         return None
     if gj == gi:
-        return kernels.attention(q, k, v, window=window, scale=scale, return_lse=True, backend=backend)
+        packed = {} if docs is None else {"cu_seqlens": docs[0]}
+        return kernels.attention(q, k, v, window=window, scale=scale, return_lse=True, backend=backend, **packed)
     gap = (gi - gj - 1) * c           # tokens between the key segment's end and the queries' start
     shrunk = None if window is None else window - gap
     if shrunk is not None and shrunk <= 1:
         return None
-    return kernels.attention(q, k[:, :0], v[:, :0], prefix=(k, v), window=shrunk, scale=scale,
-                             return_lse=True, backend=backend)
+    if docs is None:
+        return kernels.attention(q, k[:, :0], v[:, :0], prefix=(k, v), window=shrunk, scale=scale,
+                                 return_lse=True, backend=backend)
+    _, first, first_position = docs
+    begin = gi * c - first_position - gj * c  # where the first document began, in the key segment
+    if first_position == 0 or begin >= c:
+        return None  # no query's document reaches back into this segment
+    begin = max(begin, 0)
+    o, lse = kernels.attention(q[:, :first], k[:, :0], v[:, :0], prefix=(k[:, begin:], v[:, begin:]),
+                               window=shrunk, scale=scale, return_lse=True, backend=backend)
+    rest = q.shape[1] - first  # the other documents' queries see nothing here
+    o = torch.cat([o, o.new_zeros((o.shape[0], rest, *o.shape[2:]))], dim=1)
+    lse = torch.cat([lse, lse.new_full((lse.shape[0], rest, *lse.shape[2:]), float("-inf"))], dim=1)
+    return o, lse
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:

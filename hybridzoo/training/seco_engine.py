@@ -90,7 +90,7 @@ from hybridzoo.parallel.comm import ContextParallelError
 from hybridzoo.parallel.context import _sharded_shift_labels, suspended
 from hybridzoo.training.seco_ranks import RankLink
 from hybridzoo.utils import rel_err
-from hybridzoo.zoo.model import lm_loss, shift_labels
+from hybridzoo.zoo.model import document_targets, lm_loss, packed_cu_seqlens, shift_labels
 
 OFFLOAD_RAM_FRACTION = 0.4  # at most this share of host RAM may be pinned for kv_offload
 LOSS_SLICE = 4096  # default tokens of logits computed at a time for a chunk's loss
@@ -201,9 +201,84 @@ def check_options(chunk_size: int, spaco_budget: int | None = None, block_size: 
         raise error(f"SeCO: loss_slice must be None or an int >= 1, got {loss_slice!r}")
 
 
-def _inputs(batch, cp=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """``(input_ids, inputs_embeds, targets)`` with targets aligned to the logits (``cp``: the
-    labels are this rank's slice; its last target is the next rank's first label)."""
+class _Documents:
+    """Packed documents of a SeCO batch (``cu_seqlens`` / ``position_ids``): the global boundaries
+    and, per chunk, the boundaries of its piece and how its states connect to the previous chunk.
+
+    A chunk ``[start, end)`` gets the ``cu_seqlens`` of its piece (the boundaries inside it, from
+    0). The document that straddles the cut at ``start`` continues the previous chunk's state (its
+    last document's row); a document that starts exactly at ``start`` starts from zero state, as
+    does every other document of the chunk."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, device: torch.device):
+        self.cu = cu_seqlens.tolist()
+        self.starts = set(self.cu[:-1])
+        self.device = device
+
+    def truncated(self, length: int) -> "_Documents":
+        """The documents of the first ``length`` tokens."""
+        cu = [c for c in self.cu if c < length] + [length]
+        return _Documents(torch.tensor(cu), self.device)
+
+    def piece(self, start: int, end: int) -> torch.Tensor:
+        """int32 ``cu_seqlens`` of the chunk ``[start, end)``."""
+        inner = [c - start for c in self.cu if start < c < end]
+        return torch.tensor([0, *inner, end - start], dtype=torch.int32, device=self.device)
+
+    def doc_start(self, position: int) -> int:
+        """Where the document holding token ``position`` starts."""
+        return max(c for c in self.cu[:-1] if c <= position)
+
+    def carry(self, states: list, start: int, end: int) -> list:
+        """The states entering the chunk ``[start, end)`` from those the previous chunk returned
+        (differentiable: SeCO relays gradients through it). A recurrent state keeps the last
+        document's row, then zero rows for the chunk's other documents; attention's K/V state is
+        already that of the last document. A document starting at ``start``: None (zero state).
+        A :class:`BlockKVState` gets ``doc_start`` / ``offset`` of the document at ``start``."""
+        continues = start not in self.starts
+        n_docs = len(self.piece(start, end)) - 1
+        carried = []
+        for state in states:
+            if isinstance(state, BlockKVState):
+                first = self.doc_start(start)
+                carried.append(dataclasses.replace(state, doc_start=state.length - (start - first),
+                                                   offset=start - first))
+            elif state is None or not continues:
+                carried.append(None)
+            elif isinstance(state, KVState):
+                carried.append(state)
+            else:
+                rows = {}
+                for name, tensor in state.tensors().items():
+                    last = tensor[-1:]
+                    rows[name] = last if n_docs == 1 else torch.cat(
+                        [last, last.new_zeros((n_docs - 1, *last.shape[1:]))])
+                carried.append(dataclasses.replace(state, **rows))
+        return carried
+
+
+def _documents(batch: dict, shape, device) -> "_Documents | None":
+    """The batch's packed documents (``cu_seqlens`` for one row, or ``position_ids [B, T]``), or None."""
+    cu, position_ids = batch.get("cu_seqlens"), batch.get("position_ids")
+    if cu is None and position_ids is None:
+        return None
+    if cu is not None and position_ids is not None:
+        raise SeCOError("SeCO: give cu_seqlens or position_ids in the batch, not both")
+    if position_ids is not None:
+        cu = packed_cu_seqlens(position_ids, shape)
+    elif shape[0] != 1:
+        raise SeCOError(f"SeCO: with cu_seqlens the documents are packed into one row [1, total], got "
+                        f"batch {shape[0]}; pass position_ids instead (the rows are then packed)")
+    from hybridzoo.kernels.varlen import check_cu_seqlens
+
+    return _Documents(check_cu_seqlens(cu, shape[0] * shape[1]).cpu(), device)
+
+
+def _inputs(batch, cp=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, "_Documents | None"]:
+    """``(input_ids, inputs_embeds, targets, documents)`` with targets aligned to the logits (``cp``:
+    the labels are this rank's slice; its last target is the next rank's first label). With packed
+    documents (``cu_seqlens`` / ``position_ids`` in the batch) the rows are packed into one
+    ``[1, B·T]`` and labels give no target at a document's last token."""
     if not isinstance(batch, dict):
         raise SeCOError(f"SeCO: batch must be a dict with input_ids (or inputs_embeds) and labels "
                         f"(or targets), got {type(batch).__name__}")
@@ -214,12 +289,28 @@ def _inputs(batch, cp=None) -> tuple[torch.Tensor | None, torch.Tensor | None, t
     if (labels is None) == (targets is None):
         raise SeCOError("SeCO: the batch must hold exactly one of labels (shifted inside, as in "
                         "Hugging Face) and targets (aligned with the logits)")
+    source = ids if ids is not None else embeds
+    shape = source.shape[:2]
+    docs = _documents(batch, shape, source.device)
+    if docs is not None:
+        if cp is not None:
+            raise ContextParallelError("SeCO with context parallelism: packed documents (cu_seqlens / "
+                                       "position_ids) are not supported; use SeCO without context parallelism")
+        given = labels if labels is not None else targets
+        if given.shape != shape:
+            raise SeCOError(f"SeCO: labels/targets must be [B, T] = {list(shape)}, got {list(given.shape)}")
+        ids = None if ids is None else ids.reshape(1, -1)
+        embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
+        if labels is not None:
+            targets = document_targets(labels.reshape(1, -1), torch.tensor(docs.cu))
+        else:
+            targets = targets.reshape(1, -1)
+        return ids, embeds, targets, docs
     if labels is not None:  # shift over the WHOLE sequence before chunking
         targets = shift_labels(labels) if cp is None else _sharded_shift_labels(labels, cp)
-    shape = (ids if ids is not None else embeds).shape[:2]
     if targets.shape != shape:
         raise SeCOError(f"SeCO: labels/targets must be [B, T] = {list(shape)}, got {list(targets.shape)}")
-    return ids, embeds, targets
+    return ids, embeds, targets, None
 
 
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -343,8 +434,9 @@ class _Layers:
     hidden states, which SeCO then slices; else an identity on the logits it returns)."""
 
     def __init__(self, model: nn.Module, length: int, block_size: int, offload: bool,
-                 device: torch.device):
+                 device: torch.device, docs: _Documents | None = None):
         self.model = _unwrap(model)
+        self.docs = docs  # packed documents, or None
         self.blocks = list(self.model.blocks)
         # the LM head is applied by SeCO, in slices, when the model can return hidden states
         self.hidden = "return_hidden" in inspect.signature(self.model.forward).parameters
@@ -403,6 +495,11 @@ def _call(model, layers: _Layers, ids, embeds, start, end, states):
     (the logits themselves, and ``layers.head`` an identity, for a model whose ``forward`` has no
     ``return_hidden``, e.g. a subclass overriding it)."""
     extra = {"return_hidden": True} if layers.hidden else {}
+    docs = layers.docs
+    if docs is not None:  # this chunk's boundaries, and its states from the previous chunk's
+        extra["cu_seqlens"] = docs.piece(start, end)
+        if start > 0 and states is not None:
+            states = docs.carry(states, start, end)
     if ids is not None:  # checked once by seco_step: no range check (a device sync) per chunk
         with layers.model.ids_checked():
             return model(input_ids=ids[:, start:end], state=states, **extra)
@@ -508,7 +605,7 @@ def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, 
     if cp is not None and spaco_budget is not None:
         raise ContextParallelError("SeCO with context parallelism: SpaCO (spaco_budget) is not "
                                    "supported; use exact SeCO (spaco_budget=None) or no context parallelism")
-    ids, embeds, targets = _inputs(batch, cp)
+    ids, embeds, targets, docs = _inputs(batch, cp)
     if ids is not None:
         inner.check_ids(ids)  # once for the whole sequence (the chunk calls skip it)
     batch_size, length = targets.shape
@@ -528,7 +625,7 @@ def _step(model, batch, chunk_size, cp, *, kv_offload, spaco_budget, selection, 
         count = (targets != -100).sum().clamp(min=1)  # the global denominator of the mean
     else:
         count = link.count(targets)
-    layers = _Layers(inner, base + length, block_size, kv_offload, device)
+    layers = _Layers(inner, base + length, block_size, kv_offload, device, docs)
     loss_slice = loss_slice or chunk_size
 
     # which chunks stage 2 recomputes (SpaCO draws them): their losses come from stage 2's
@@ -720,9 +817,10 @@ def check_chunked_forward(
     """
     check_options(chunk_size, block_size=block_size)
     inner = _unwrap(model)
-    ids, embeds, _ = _inputs(batch)
+    ids, embeds, _, docs = _inputs(batch)
     source = ids if ids is not None else embeds.detach()
     tokens = min(source.shape[1], tokens or 4 * chunk_size)
+    docs = None if docs is None else docs.truncated(tokens)
     source = source[:, :tokens]
     ids, embeds = (source, None) if ids is not None else (None, source)
     if ids is not None:
@@ -739,7 +837,7 @@ def check_chunked_forward(
     try:
         inner.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=devices), suspended():  # local, unsharded
-            layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device)
+            layers = _Layers(inner, tokens, block_size or chunk_size, kv_offload, device, docs)
             full_hidden, _ = _call(model, layers, ids, embeds, 0, tokens, None)
             full = [out.pop() for out in outputs]
             # the logits are compared LOSS_SLICE tokens at a time (sums of squares in float64),

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridzoo.layers import MIXERS, MixerState, RMSNorm, SwiGLU
-from hybridzoo.parallel.context import model_call, sharded
+from hybridzoo.parallel.comm import ContextParallelError
+from hybridzoo.parallel.context import active, model_call, sharded, sharded_document_targets
 from hybridzoo.zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from hybridzoo.zoo.config import HybridConfig
 
@@ -45,9 +46,12 @@ class Block(nn.Module):
         else:
             self.mlp_norm, self.mlp = None, None
 
-    def forward(self, x: torch.Tensor, state: MixerState | None = None
-                ) -> tuple[torch.Tensor, MixerState]:
-        y, state = self.mixer(self.mixer_norm(x), state)
+    def forward(self, x: torch.Tensor, state: MixerState | None = None, *,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, MixerState]:
+        if cu_seqlens is None:
+            y, state = self.mixer(self.mixer_norm(x), state)
+        else:
+            y, state = self.mixer(self.mixer_norm(x), state, cu_seqlens=cu_seqlens)
         x = x + y
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -120,6 +124,8 @@ class HybridLM(nn.Module):
         targets: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         return_hidden: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ):
         """Run the model.
 
@@ -132,6 +138,19 @@ class HybridLM(nn.Module):
             return_hidden: return the final-norm hidden states ``[B, T, d_model]`` instead of the
                 logits (``lm_head`` not applied; no loss: labels/targets refused). Lets a caller
                 apply the head in slices, e.g. SeCO's sliced cross-entropy.
+            cu_seqlens: packed documents in one row (``B = 1``): int32 ``[N + 1]``, the cumulative
+                document lengths (see :mod:`hybridzoo.kernels.varlen`). No state, conv tail,
+                attention read or rotary position crosses a boundary, and with ``labels`` the
+                last token of each document gets no target (-100): the loss never predicts across
+                a boundary (``targets`` are taken as given).
+            position_ids: ``[B, T]`` positions restarting at 0 at each document (transformers'
+                ``DataCollatorWithFlattening``), instead of ``cu_seqlens``: the boundaries are where
+                they are 0, and every row start is one. With ``B > 1`` the rows are packed into one
+                row ``[1, B·T]`` (each split at its own restarts) and the outputs reshaped back to
+                ``[B, T, ...]``. They must count ``0, 1, ...`` within each document.
+
+        With documents the returned state is per document (see :meth:`Mixer.forward`): a
+        recurrent layer's state holds ``N`` rows, an attention layer's the K/V of the last document.
 
         Returns:
             ``(logits [B, T, vocab] in the model dtype, state)``, plus the mean cross-entropy
@@ -144,15 +163,41 @@ class HybridLM(nn.Module):
         if inputs_embeds is None:
             self.check_ids(input_ids, values=not self._ids_checked)
             inputs_embeds = self.embed(input_ids)
+        shape = inputs_embeds.shape[:2]
+        cp = active()
+        first_position = None  # context parallelism with documents: see ContextParallel
+        if position_ids is not None:
+            if cu_seqlens is not None:
+                raise ValueError("HybridLM: give cu_seqlens or position_ids (the boundaries are derived "
+                                 "from them), not both")
+            if cp is not None and shape[0] != 1:
+                raise ValueError(f"HybridLM: under context_parallel() packed documents take one row, "
+                                 f"[1, T] per rank, got batch {shape[0]}")
+            cu_seqlens = packed_cu_seqlens(position_ids, shape, carried=state is not None or cp is not None)
+            if cp is not None:
+                first_position = int(position_ids[0, 0])
+        elif cu_seqlens is not None and cp is not None:
+            raise ContextParallelError("HybridLM: under context_parallel() pass each rank's slice of "
+                                       "position_ids for packed documents, not cu_seqlens")
+        if cu_seqlens is not None:
+            if shape[0] > 1 and position_ids is None:
+                raise ValueError(f"HybridLM: with cu_seqlens the documents are packed into one row, "
+                                 f"input [1, total], got batch {shape[0]}; pass position_ids (the "
+                                 f"rows are then packed) or flatten the batch and offset cu_seqlens")
+            inputs_embeds = inputs_embeds.reshape(1, -1, inputs_embeds.shape[-1])
+            labels = None if labels is None else labels.reshape(1, -1)
+            targets = None if targets is None else targets.reshape(1, -1)
         if state is None:
             state = [None] * len(self.blocks)
         if len(state) != len(self.blocks):
             raise ValueError(f"HybridLM: state has {len(state)} entries, the model has {len(self.blocks)} blocks")
         x, new_state = inputs_embeds, []
-        with model_call(inputs_embeds, state):  # context parallelism: one shape check, no state
+        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        with model_call(inputs_embeds, state, first_position):  # context parallelism: one shape check, no state
             for block, block_state in zip(self.blocks, state):
-                x, block_state = block(x, block_state)
+                x, block_state = block(x, block_state, **documents)
                 new_state.append(block_state)
+        x = x.reshape(*shape, x.shape[-1])  # packed rows back to [B, T, d_model]
         if return_hidden:
             return self.norm(x), new_state
         logits = self.lm_head(self.norm(x))
@@ -161,7 +206,14 @@ class HybridLM(nn.Module):
         if labels is not None and targets is not None:
             raise ValueError("HybridLM: give labels (shifted inside) or targets (aligned), not both")
         if labels is not None:
-            targets = sharded(shift_labels)(labels)  # across ranks under context parallelism
+            if first_position is not None:  # the next rank's first position tells this slice's last target
+                targets = sharded_document_targets(labels, position_ids)
+            elif cu_seqlens is not None:
+                targets = document_targets(labels, cu_seqlens).reshape(shape)
+            else:
+                targets = sharded(shift_labels)(labels)  # across ranks under context parallelism
+        else:
+            targets = targets.reshape(shape)
         # under context parallelism: this rank's share of the mean (the shares sum to it)
         return logits, new_state, sharded(lm_loss)(logits, targets)
 
@@ -220,6 +272,40 @@ class HybridLM(nn.Module):
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied LM head is counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def packed_cu_seqlens(position_ids: torch.Tensor, shape: tuple[int, int] | torch.Size,
+                      carried: bool = False) -> torch.Tensor:
+    """``cu_seqlens`` (int32 ``[N + 1]``) of the rows of ``position_ids [B, T]`` packed into one row
+    ``[1, B·T]``: a document starts where ``position_ids == 0`` and at every row start. Raises
+    ValueError unless ``position_ids`` count ``0, 1, ...`` within each document (the first
+    document may start elsewhere when a state is ``carried``: it continues that state)."""
+    from hybridzoo.layers.base import document_positions
+
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or tuple(position_ids.shape) != tuple(shape) \
+            or position_ids.is_floating_point():
+        got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"HybridLM: position_ids must be an int tensor {list(shape)} like input_ids, got {got}")
+    flat = position_ids.reshape(1, -1)
+    starts = flat[0] == 0
+    starts[::shape[1]] = True  # every row start is a boundary
+    total = torch.tensor([flat.shape[1]], device=flat.device)
+    cu = torch.cat([starts.nonzero()[:, 0], total]).to(torch.int32)
+    expected = document_positions(cu, flat.shape[1], int(flat[0, 0]) if carried else 0)
+    if not torch.equal(flat[0].long(), expected.to(flat.device)):
+        raise ValueError("HybridLM: position_ids must restart at 0 at each document and count 0, 1, 2, ... "
+                         "within it (transformers' DataCollatorWithFlattening); a row must start a "
+                         "document (at 0)")
+    return cu
+
+
+def document_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with the logits from Hugging Face ``labels [1, total]`` of packed documents:
+    position t gets label t+1, except the last token of each document (``cu_seqlens[1:] - 1``),
+    which gets -100 (no prediction across a boundary)."""
+    targets = shift_labels(labels)
+    ends = cu_seqlens[1:].long().to(targets.device) - 1
+    return targets.index_fill(1, ends, IGNORE_INDEX)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
