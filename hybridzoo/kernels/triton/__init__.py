@@ -12,3 +12,5 @@ from hybridzoo.kernels.triton.selective_scan import selective_scan  # noqa: E402
 from hybridzoo.kernels.triton.conv import causal_conv1d  # noqa: E402
 
 OPS: tuple[str, ...] = ("chunk_linear_attn", "chunk_delta_rule", "selective_scan", "causal_conv1d")
+# ops whose kernels take documents packed in one row (``cu_seqlens``), handled inside the kernels
+VARLEN_OPS = {"selective_scan", "causal_conv1d"}

@@ -59,16 +59,36 @@ SEQ_CONFIGS = [triton.Config({"CHUNK": c, "BLOCK_D": d, "UNROLL": u}, num_warps=
                                   (64, 256, 2, 4), (128, 256, 2, 8), (32, 64, 1, 4))]
 FIXED = {"fwd": dict(BLOCK_T=32, BLOCK_D=128, num_warps=4), "bwd": dict(BLOCK_T=16, BLOCK_D=128, num_warps=8),
          "seq": dict(CHUNK=64, BLOCK_D=128, UNROLL=4, num_warps=1)}
+# Packed documents (VARLEN) hold each row's document and first token and read its tail at every
+# tap: compiled for sm_90 (Triton 3.7.1, scripts/kernel_resources.py) the forward at 32 elements a
+# thread and the tiled backward at more than 4 spill (300 B and 64-1380 B), so those tiles are
+# pruned from a packed launch (:func:`_prune_packed`) and these are its fixed settings (no spills;
+# the step-ordered backward spills at none of its settings and keeps them).
+VARLEN_PER_THREAD = {"fwd": 16, "bwd": 4}
+FIXED_VARLEN = {"fwd": dict(BLOCK_T=16, BLOCK_D=128, num_warps=4), "bwd": dict(BLOCK_T=16, BLOCK_D=64, num_warps=8)}
 INTERPRETER = dict(BLOCK_T=8, BLOCK_D=8, num_warps=1)
 INTERPRETER_SEQ = dict(CHUNK=8, BLOCK_D=8, UNROLL=4, num_warps=1)
 SEQ_MAX_WIDTH = 4  # widths the step-ordered backward takes (it holds W rows of inputs and gradients)
 TUNE_KEY = ["DM", "W", "HAS_BIAS", "HAS_S0", "SILU"]
 
 
-def _fixed(kind: str) -> dict:
+def _fixed(kind: str, varlen: bool = False) -> dict:
     if launch.interpret():
         return INTERPRETER_SEQ if kind == "seq" else INTERPRETER
-    return FIXED[kind]
+    return FIXED_VARLEN[kind] if varlen and kind in FIXED_VARLEN else FIXED[kind]
+
+
+def _prune_packed(kind: str):
+    """The autotuner's ``early_config_prune`` of the ``kind`` kernel: every candidate, but for a
+    packed launch (``VARLEN``) only the tiles of at most ``VARLEN_PER_THREAD[kind]`` elements a
+    thread."""
+    def prune(configs, named_args, **kwargs):
+        if not {**named_args, **kwargs}.get("VARLEN"):
+            return configs
+        fits = [c for c in configs
+                if c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_D"] <= VARLEN_PER_THREAD[kind] * 32 * c.num_warps]
+        return fits or configs
+    return prune
 
 
 @triton.jit
@@ -100,12 +120,12 @@ def _doc_padded(x_ptr, s0_ptr, pos, doc, first, d, dmask, T, DM, SX, W: tl.const
 
 @triton.jit
 def _docs(seq_ptr, cu_ptr, t, T):
-    """The document of each position ``t`` of a packed row (int64; -1 outside ``[0, T)``) and its
+    """The document of each position ``t`` of a packed row (int32; -1 outside ``[0, T)``) and its
     first token (0 outside)."""
     inside = (t >= 0) & (t < T)
     doc = tl.load(seq_ptr + t, mask=inside, other=0)
     first = tl.load(cu_ptr + doc, mask=inside, other=0)
-    return tl.where(inside, doc, -1).to(tl.int64), first
+    return tl.where(inside, doc, -1), first
 
 
 @triton.jit
@@ -160,8 +180,12 @@ def _fwd_kernel(
     dmask = d < DM
     if VARLEN:
         doc, first = _docs(seq_ptr, cu_ptr, t, T)
-        y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T, BLOCK_D,
-                    VARLEN, doc, first)
+        if tl.min(tl.where(t < T, t - first, W), 0) >= W - 1:  # no tap of the block leaves its document
+            y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, False, BLOCK_T,
+                        BLOCK_D)
+        else:
+            y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T,
+                        BLOCK_D, VARLEN, doc, first)
     else:
         y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T,
                     BLOCK_D)
@@ -372,9 +396,9 @@ def _bwd_seq_kernel(
         tl.store(db_ptr + part, db, mask=dmask)
 
 
-_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY)
-_bwd_seq = launch.autotuned(_bwd_seq_kernel, SEQ_CONFIGS, TUNE_KEY)
-_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY)
+_fwd = launch.autotuned(_fwd_kernel, FWD_CONFIGS, TUNE_KEY + ["VARLEN"], prune=_prune_packed("fwd"))
+_bwd_seq = launch.autotuned(_bwd_seq_kernel, SEQ_CONFIGS, TUNE_KEY + ["VARLEN"])
+_bwd = launch.autotuned(_bwd_kernel, BWD_CONFIGS, TUNE_KEY + ["VARLEN"], prune=_prune_packed("bwd"))
 
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -392,7 +416,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         _fwd, lambda a: (batch, triton.cdiv(length, a["BLOCK_T"]), triton.cdiv(dm, a["BLOCK_D"])),
         x, weight, x if bias is None else bias, x if initial_state is None else initial_state, y,
         length, dm, launch.row_stride(x), seq_idx, cu, W=width, HAS_BIAS=bias is not None,
-        HAS_S0=initial_state is not None, SILU=silu, VARLEN=docs is not None, fixed=_fixed("fwd"),
+        HAS_S0=initial_state is not None, SILU=silu, VARLEN=docs is not None, fixed=_fixed("fwd", docs is not None),
     )
     return y
 
@@ -437,7 +461,7 @@ def conv_grads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     kernel, configs, span = (_bwd_seq, SEQ_CONFIGS, "CHUNK") if seq else (_bwd, BWD_CONFIGS, "BLOCK_T")
     # partial weight / bias sums, one row per (batch, block of positions): as many rows as the
     # shortest block of any setting makes; the launch fills the first cdiv(T + W - 1, block)
-    fixed = _fixed("seq" if seq else "bwd")
+    fixed = _fixed("seq" if seq else "bwd", docs is not None)
     rows = triton.cdiv(length + width - 1, min([fixed[span]] + [c.kwargs[span] for c in configs]))
     dw = launch.empty((batch, rows, dm, width), torch.float32, x.device)
     db = None if bias is None else launch.empty((batch, rows, dm), torch.float32, x.device)
