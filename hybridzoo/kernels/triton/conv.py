@@ -179,13 +179,18 @@ def _fwd_kernel(
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < DM
     if VARLEN:
-        doc, first = _docs(seq_ptr, cu_ptr, t, T)
-        if tl.min(tl.where(t < T, t - first, W), 0) >= W - 1:  # no tap of the block leaves its document
-            y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, False, BLOCK_T,
-                        BLOCK_D)
-        else:
+        # a tap of the block may leave its document only where one starts in [t0 - W + 2, last row]:
+        # two scalar loads (the document index never decreases); the rows' documents only then
+        t0 = tl.program_id(1) * BLOCK_T
+        lo = tl.load(seq_ptr + t0 - (W - 1), mask=(t0 >= W - 1) & (t0 - (W - 1) < T), other=-1)
+        hi = tl.load(seq_ptr + tl.minimum(t0 + BLOCK_T - 1, T - 1))
+        if lo != hi:
+            doc, first = _docs(seq_ptr, cu_ptr, t, T)
             y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T,
                         BLOCK_D, VARLEN, doc, first)
+        else:
+            y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, False, BLOCK_T,
+                        BLOCK_D)
     else:
         y = _preact(x_ptr, w_ptr, bias_ptr, s0_ptr, b, t, d, dmask, T, DM, SX, W, HAS_BIAS, HAS_S0, BLOCK_T,
                     BLOCK_D)

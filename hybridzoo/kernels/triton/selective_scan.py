@@ -50,7 +50,7 @@ from hybridzoo.kernels.reference import selective_scan as _reference_scan
 from hybridzoo.kernels.reference.selective_scan import _check
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.fast_exp import LOG2E, _exp2
-from hybridzoo.kernels.triton.varlen_rows import doc_rows
+from hybridzoo.kernels.triton.varlen_rows import doc_block, doc_rows
 
 __all__ = ["selective_scan", "selective_scan_grads", "selective_scan_saved"]
 
@@ -457,12 +457,14 @@ def _fwd_kernel(
             DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
         if VARLEN:  # reset at each document's first token; each document's last state stored
-            doc, start, end = doc_rows(seq_ptr, t, T)
-            if tl.max(start.to(tl.int32), 0) > 0:  # a document starts in this block
+            starts, ends = doc_block(seq_ptr, blk * BLOCK_T, BLOCK_T, T)
+            if starts:  # a document starts in this block
+                doc, start, end = doc_rows(seq_ptr, t, T)
                 hs, x, _ = _doc_block_states(u, dt, Bt, A, h, rows, start, h0_ptr, doc, dn, dn_mask, DM * N, HAS_H0)
             else:  # most blocks (documents of hundreds of tokens): the plain block
                 hs, x = _block_states(u, dt, Bt, A, h, rows)
-            if tl.max(end.to(tl.int32), 0) > 0:
+            if ends:
+                doc, start, end = doc_rows(seq_ptr, t, T)
                 tl.store(hT_ptr + doc[:, None, None] * (DM * N) + dn[None, :, :], hs,
                          mask=end[:, None, None] & dn_mask[None, :, :])
         else:
@@ -581,10 +583,9 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
     Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
     if VARLEN:  # the document path only in the blocks where one starts or ends
-        doc, start, end = doc_rows(seq_ptr, t, T)
-        starts = tl.max(start.to(tl.int32), 0) > 0
-        ends = tl.max(end.to(tl.int32), 0) > 0
+        starts, ends = doc_block(seq_ptr, blk * BLOCK_T, BLOCK_T, T)
         if starts:
+            doc, start, end = doc_rows(seq_ptr, t, T)
             hs, x, a = _doc_block_states(u, dt, Bt, A, h_start, rows, start, h0_ptr, doc, dn, dn_mask, DM * N,
                                          HAS_H0)
         else:
@@ -605,12 +606,14 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
         dy0 = dy
     if VARLEN:
         if ends:
+            doc, start, end = doc_rows(seq_ptr, t, T)
             gs, carry = _doc_adjoint_scan(dt_next, A, dy0, Ct, carry, rows, end, dhT_ptr, doc, dn, dn_mask, DM * N,
                                           HAS_DHT)
         else:
             gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
         if HAS_H0:  # each document's initial-state gradient, at its first token
             if starts:
+                doc, start, end = doc_rows(seq_ptr, t, T)
                 tl.store(dh0_ptr + doc[:, None, None] * (DM * N) + dn[None, :, :], a * gs,
                          mask=start[:, None, None] & dn_mask[None, :, :])
     else:
