@@ -9,7 +9,10 @@ Conventions (shared/DESIGN.md):
 * q and k may have fewer heads than v: each q/k head serves ``H_v / H_k`` value heads;
 * every op returns ``(output, final_state)``, ``final_state`` is None unless
   ``output_final_state=True``; ``attention`` returns ``(output, lse)``;
-* gradients flow into ``initial_state`` and from ``final_state``.
+* gradients flow into ``initial_state`` and from ``final_state``;
+* packed documents: every op takes ``cu_seqlens`` (int32 ``[N + 1]``, see
+  :mod:`hybridzoo.kernels.varlen`) with the batch laid out as ``[1, total, ...]``; states are
+  then per document (``[N, ...]``) and the call equals running each document alone.
 
 Every op takes ``backend="auto" | "reference" | ...`` (see :mod:`hybridzoo.kernels._dispatch`).
 The single-token step functions (``*_step``) are the decoding forms; they are pure PyTorch.
@@ -21,6 +24,7 @@ import torch
 
 from hybridzoo.kernels._dispatch import BACKENDS, BackendUnavailable
 from hybridzoo.kernels._dispatch import resolve as _resolve
+from hybridzoo.kernels.varlen import check_packed
 from hybridzoo.kernels.reference import (
     attention_step,
     causal_conv1d_step,
@@ -50,16 +54,31 @@ __all__ = [
 ]
 
 
-def resolve(op: str, backend: str, device: torch.device):
+def resolve(op: str, backend: str, device: torch.device, varlen: bool = False):
     """The implementation of ``op``, run with autocast off: every kernel computes in the dtypes
-    it documents (float32 states, outputs in the input dtype) whatever the caller's autocast."""
-    impl = _resolve(op, backend, device)
+    it documents (float32 states, outputs in the input dtype) whatever the caller's autocast.
+    ``varlen``: the call packs documents (``cu_seqlens``); the backend must declare it."""
+    impl = _resolve(op, backend, device, varlen)
 
     def run(*args, **kwargs):
         with torch.autocast(device.type, enabled=False):
             return impl(*args, **kwargs)
 
     return run
+
+
+def _packed(op: str, cu_seqlens: torch.Tensor | None, x: torch.Tensor,
+            initial_state: torch.Tensor | None = None) -> torch.Tensor | None:
+    """None, or ``cu_seqlens`` validated (int32 on ``x``'s device) for a packed call of ``op``."""
+    if cu_seqlens is None:
+        return None
+    return check_packed(op, cu_seqlens, x, initial_state)
+
+
+def _cu(cu_seqlens: torch.Tensor | None) -> dict:
+    """The ``cu_seqlens=`` keyword for a backend, only for a packed call: a backend function that
+    predates packing is then still called exactly as before."""
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
 
 def chunk_linear_attn(
@@ -72,6 +91,7 @@ def chunk_linear_attn(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise (gated) linear attention: ``S_t = diag(a_t) S_{t-1} + k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
@@ -85,19 +105,23 @@ def chunk_linear_attn(
         initial_state: ``[B, H, K, V]`` float32 or None (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: tokens per chunk, any value >= 1 (T need not be a multiple).
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` batch;
+            ``initial_state`` and ``final_state`` are then ``[N, H, K, V]``.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``.
     """
-    impl = resolve("chunk_linear_attn", backend, q.device)
+    cu_seqlens = _packed("chunk_linear_attn", cu_seqlens, q, initial_state)
+    impl = resolve("chunk_linear_attn", backend, q.device, cu_seqlens is not None)
     return impl(q, k, v, log_a, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, chunk_size=chunk_size)
+                output_final_state=output_final_state, chunk_size=chunk_size, **_cu(cu_seqlens))
 
 
 def chunk_linear_attn_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_a: torch.Tensor | None,
     initial_state: torch.Tensor | None, do: torch.Tensor | None, dfinal: torch.Tensor | None,
-    *, scale: float | None = None, chunk_size: int = 64, backend: str = "auto",
+    *, scale: float | None = None, chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :func:`chunk_linear_attn` w.r.t. ``(q, k, v, log_a, initial_state)`` from
     those of its outputs (``do [B, T, H, V]``, ``dfinal [B, H, K, V]``; None means zero), for a
@@ -109,16 +133,19 @@ def chunk_linear_attn_grads(
     """
     from hybridzoo.kernels._dispatch import _auto_backend
 
-    resolve("chunk_linear_attn", backend, q.device)  # a clear error for an unusable backend
+    cu_seqlens = _packed("chunk_linear_attn", cu_seqlens, q, initial_state)
+    resolve("chunk_linear_attn", backend, q.device, cu_seqlens is not None)  # a clear error for an unusable backend
     name = _auto_backend("chunk_linear_attn", q.device) if backend == "auto" else backend
     if name == "triton":
         from hybridzoo.kernels.triton.linear_attn import chunk_linear_attn_grads as grads
 
         with torch.autocast(q.device.type, enabled=False):
-            return grads(q, k, v, log_a, initial_state, do, dfinal, scale=scale, chunk_size=chunk_size)
+            return grads(q, k, v, log_a, initial_state, do, dfinal, scale=scale, chunk_size=chunk_size,
+                         **_cu(cu_seqlens))
     return _grads_by_rerun(
         lambda q, k, v, log_a, h0: chunk_linear_attn(q, k, v, log_a, scale=scale, initial_state=h0,
-                                                     output_final_state=True, chunk_size=chunk_size, backend=backend),
+                                                     output_final_state=True, chunk_size=chunk_size,
+                                                     cu_seqlens=cu_seqlens, backend=backend),
         (q, k, v, log_a, initial_state), (do, dfinal))
 
 
@@ -148,6 +175,7 @@ def chunk_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise gated delta rule: ``S_t = a_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
@@ -157,14 +185,15 @@ def chunk_delta_rule(
         v: ``[B, T, H, V]`` with ``H % Hk == 0``.
         log_a: ``[B, T, H]`` float32 ``<= 0``, or None for DeltaNet without decay.
         beta: ``[B, T, H]`` write strengths, usually in (0, 1).
-        scale, initial_state, output_final_state, chunk_size: as in :func:`chunk_linear_attn`.
+        scale, initial_state, output_final_state, chunk_size, cu_seqlens: as in :func:`chunk_linear_attn`.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32 or None)``.
     """
-    impl = resolve("chunk_delta_rule", backend, q.device)
+    cu_seqlens = _packed("chunk_delta_rule", cu_seqlens, q, initial_state)
+    impl = resolve("chunk_delta_rule", backend, q.device, cu_seqlens is not None)
     return impl(q, k, v, log_a, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, chunk_size=chunk_size)
+                output_final_state=output_final_state, chunk_size=chunk_size, **_cu(cu_seqlens))
 
 
 def selective_scan(
@@ -180,6 +209,7 @@ def selective_scan(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     *,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-1 selective scan, sequence-first.
@@ -194,19 +224,23 @@ def selective_scan(
         B, C: ``[B, T, N]`` or ``[B, T, G, N]`` (G groups, each serving ``Dm / G`` channels).
         D, delta_bias: ``[Dm]``.
         initial_state: ``[B, Dm, N]`` float32 or None.
+        cu_seqlens: None, or int32 ``[N_docs + 1]`` document boundaries of a packed ``B = 1``
+            batch; ``initial_state`` and ``final_state`` are then ``[N_docs, Dm, N]``.
 
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32 or None)``.
     """
-    impl = resolve("selective_scan", backend, u.device)
+    cu_seqlens = _packed("selective_scan", cu_seqlens, u, initial_state)
+    impl = resolve("selective_scan", backend, u.device, cu_seqlens is not None)
     return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                initial_state=initial_state, output_final_state=output_final_state)
+                initial_state=initial_state, output_final_state=output_final_state, **_cu(cu_seqlens))
 
 
 def selective_scan_saved(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False, initial_state: torch.Tensor | None = None, *, backend: str = "auto",
+    delta_softplus: bool = False, initial_state: torch.Tensor | None = None, *,
+    cu_seqlens: torch.Tensor | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`selective_scan` with no autograd graph, for a caller that keeps the output and takes
     the backward later from :func:`selective_scan_grads` (as a recomputed mixer does, so that the
@@ -220,16 +254,17 @@ def selective_scan_saved(
     """
     from hybridzoo.kernels._dispatch import _auto_backend
 
-    impl = resolve("selective_scan", backend, u.device)  # a clear error for an unusable backend
+    cu_seqlens = _packed("selective_scan", cu_seqlens, u, initial_state)
+    impl = resolve("selective_scan", backend, u.device, cu_seqlens is not None)  # a clear error for an unusable backend
     name = _auto_backend("selective_scan", u.device) if backend == "auto" else backend
     if name == "triton" and u.shape[1] > 0:
         from hybridzoo.kernels.triton.selective_scan import selective_scan_saved as saved_scan
 
         with torch.autocast(u.device.type, enabled=False):
-            return saved_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+            return saved_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, **_cu(cu_seqlens))
     with torch.no_grad():
         y, final = impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                        initial_state=initial_state, output_final_state=True)
+                        initial_state=initial_state, output_final_state=True, **_cu(cu_seqlens))
     return y, final, u.new_empty((0,), dtype=torch.float32)
 
 
@@ -237,7 +272,8 @@ def selective_scan_grads(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None, saved: torch.Tensor, dy: torch.Tensor | None,
-    dfinal: torch.Tensor | None, *, delta_softplus: bool = False, backend: str = "auto",
+    dfinal: torch.Tensor | None, *, delta_softplus: bool = False, cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :func:`selective_scan` w.r.t. ``(u, delta, A, B, C, D, z, delta_bias,
     initial_state)`` from those of its outputs (``dy [B, T, Dm]``, ``dfinal [B, Dm, N]``; None
@@ -245,13 +281,16 @@ def selective_scan_grads(
     same backend. Our Triton backend restarts from the saved block states; any other backend runs
     the op again with autograd on. Each gradient comes in its input's dtype, None for a None input.
     """
+    cu_seqlens = _packed("selective_scan", cu_seqlens, u, initial_state)
     if saved.numel() > 0:
         from hybridzoo.kernels.triton.selective_scan import selective_scan_grads as grads
 
         with torch.autocast(u.device.type, enabled=False):
-            return grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal, delta_softplus)
+            return grads(u, delta, A, B, C, D, z, delta_bias, initial_state, saved, dy, dfinal, delta_softplus,
+                         **_cu(cu_seqlens))
     return _grads_by_rerun(
-        lambda *x: selective_scan(*x[:8], delta_softplus, initial_state=x[8], output_final_state=True, backend=backend),
+        lambda *x: selective_scan(*x[:8], delta_softplus, initial_state=x[8], output_final_state=True,
+                                  cu_seqlens=cu_seqlens, backend=backend),
         (u, delta, A, B, C, D, z, delta_bias, initial_state), (dy, dfinal))
 
 
@@ -264,6 +303,7 @@ def attention(
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention, full or sliding-window, optionally after a K/V prefix.
@@ -277,12 +317,19 @@ def attention(
         prefix: ``(k_prefix, v_prefix)`` of shape ``[B, P, Hk, D]`` / ``[B, P, Hk, Dv]``.
         scale: default ``D ** -0.5``.
         return_lse: also return the log-sum-exp of the scaled scores ``[B, T, Hq]`` float32.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` batch: a
+            query sees only keys of its own document (and the window counts positions inside
+            it). Not together with ``prefix``.
 
     Returns:
         ``(o [B, T, Hq, Dv] in q.dtype, lse or None)``.
     """
-    impl = resolve("attention", backend, q.device)
-    return impl(q, k, v, window=window, prefix=prefix, scale=scale, return_lse=return_lse)
+    if cu_seqlens is not None and prefix is not None:
+        raise ValueError("attention: prefix together with cu_seqlens is not supported; pass one of them "
+                         "(a packed batch restarts every document, so there is no K/V prefix)")
+    cu_seqlens = _packed("attention", cu_seqlens, q)
+    impl = resolve("attention", backend, q.device, cu_seqlens is not None)
+    return impl(q, k, v, window=window, prefix=prefix, scale=scale, return_lse=return_lse, **_cu(cu_seqlens))
 
 
 def causal_conv1d(
@@ -293,6 +340,7 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     activation: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution with a carried tail.
@@ -303,10 +351,14 @@ def causal_conv1d(
     Args:
         x: ``[B, T, Dm]``; weight: ``[Dm, W]``; bias: ``[Dm]`` or None.
         initial_state: the last ``W − 1`` inputs before this call, ``[B, W-1, Dm]``.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` batch:
+            no document's convolution reads the previous document; ``initial_state`` and
+            ``final_state`` are then ``[N, W-1, Dm]``.
 
     Returns:
         ``(y [B, T, Dm] in x.dtype, final_state [B, W-1, Dm] or None)``.
     """
-    impl = resolve("causal_conv1d", backend, x.device)
+    cu_seqlens = _packed("causal_conv1d", cu_seqlens, x, initial_state)
+    impl = resolve("causal_conv1d", backend, x.device, cu_seqlens is not None)
     return impl(x, weight, bias, initial_state=initial_state,
-                output_final_state=output_final_state, activation=activation)
+                output_final_state=output_final_state, activation=activation, **_cu(cu_seqlens))

@@ -15,6 +15,13 @@ backend, the op and the fix. Our Triton kernels need Triton >= 3.6 and (compiled
 compute capability 8.0 or more; where the installed Triton or the GPU cannot run them, or a shape
 needs more shared memory than the GPU has, :class:`TritonUnsupported` names the op, the reason and
 the fallback (``backend="reference"``, or the fla / mamba_ssm backend for the op).
+
+Packed documents (``cu_seqlens=``, :mod:`hybridzoo.kernels.varlen`): a backend module declares the
+ops it runs packed in a module-level ``VARLEN_OPS`` set (missing = none). A call with
+``cu_seqlens`` on a backend that does not declare the op raises :class:`BackendUnavailable` naming
+the op, the backend and the backends that do, never ignores the boundaries. ``"auto"`` picks the
+backend it would pick without ``cu_seqlens``; if that one has no packed path for the op, the call
+is refused the same way (it does not fall back to a slower backend silently).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from importlib import metadata
 from typing import Callable
 
@@ -133,9 +141,36 @@ def _auto_backend(op: str, device: torch.device) -> str:
     return "reference"
 
 
-def resolve(op: str, backend: str, device: torch.device) -> Callable:
-    """Return the implementation of ``op`` for ``backend`` on ``device``."""
-    if backend == "auto":
+def varlen_backends(op: str) -> list[str]:
+    """The backends that run ``op`` on packed documents, of those without an optional package and
+    those already imported (naming a fix must not import fla, which takes seconds)."""
+    found = []
+    for name, (module_path, package) in BACKENDS.items():
+        if package is not None and module_path not in sys.modules:
+            continue
+        try:
+            module = importlib.import_module(module_path)
+        except Exception:  # noqa: BLE001 - a backend that cannot load here is not offered
+            continue
+        if op in getattr(module, "VARLEN_OPS", ()):
+            found.append(name)
+    return found
+
+
+def _refuse_varlen(op: str, backend: str, auto: bool) -> BackendUnavailable:
+    others = [b for b in varlen_backends(op) if b != backend]
+    fix = " or ".join(f"backend={b!r}" for b in others) or "backend='reference'"
+    how = f"backend='auto' picked {backend!r} for {op} on this device, but it" if auto else f"backend {backend!r}"
+    return BackendUnavailable(
+        f"{how} has no packed-documents (cu_seqlens) path for {op}; pass {fix}, "
+        f"or call without cu_seqlens (one document per row)")
+
+
+def resolve(op: str, backend: str, device: torch.device, varlen: bool = False) -> Callable:
+    """Return the implementation of ``op`` for ``backend`` on ``device``; ``varlen=True`` (the
+    call passes ``cu_seqlens``) also requires the backend to declare ``op`` in its ``VARLEN_OPS``."""
+    auto = backend == "auto"
+    if auto:
         backend = _auto_backend(op, device)
     if backend not in BACKENDS:
         raise BackendUnavailable(
@@ -160,6 +195,8 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
         raise BackendUnavailable(
             f"backend {backend!r} does not implement {op}; use backend='reference' or 'auto'"
         )
+    if varlen and op not in getattr(module, "VARLEN_OPS", ()):
+        raise _refuse_varlen(op, backend, auto)
     if backend == "triton":
         problem = triton_problem(op, device)
         if problem is not None:
@@ -168,12 +205,12 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
     return impl
 
 
-def runs_on_triton(backend: str, device: torch.device, ops: tuple[str, ...]) -> bool:
+def runs_on_triton(backend: str, device: torch.device, ops: tuple[str, ...], varlen: bool = False) -> bool:
     """True when ``backend`` runs every op of ``ops`` on our Triton kernels on ``device`` (the
     condition of the Mamba layers' one-node training steps). An unusable Triton raises the op's
     usual error."""
     for op in ops:
         if (_auto_backend(op, device) if backend == "auto" else backend) != "triton":
             return False
-        resolve(op, backend, device)  # the clear error of an unusable backend, as the general path gives
+        resolve(op, backend, device, varlen)  # the clear error of an unusable backend, as the general path gives
     return True

@@ -1,13 +1,22 @@
 """Lightning data modules: packed text (embedded stdlib corpus or local files) and MQAR.
 
 Batches are ``{"input_ids": int64 [B, T], "labels": int64 [B, T]}`` in the Hugging Face convention
-of ``HybridLM`` (it shifts inside: logits at ``t`` predict ``labels[t+1]``; -100 = no loss).
+of ``HybridLM`` (it shifts inside: logits at ``t`` predict ``labels[t+1]``; -100 = no loss), plus
+``"position_ids": int64 [B, T]`` with ``packing="documents"``.
 
 Text (:class:`TextDataModule`)
-    Documents are tokenized, each followed by the tokenizer's end-of-document id (the NUL byte,
-    id 0, for the byte tokenizer; see :mod:`hybridzoo.training.tokenizers`), concatenated, and cut
-    into rows of exactly ``seq_len`` tokens (the remainder is dropped); ``labels`` equals
-    ``input_ids``. The held-out split is fixed by document: with ``period = round(1 / val_fraction)``
+    ``packing="stream"`` (the default): documents are tokenized, each followed by the tokenizer's
+    end-of-document id (the NUL byte, id 0, for the byte tokenizer; see
+    :mod:`hybridzoo.training.tokenizers`), concatenated, and cut into rows of exactly ``seq_len``
+    tokens (the remainder is dropped); ``labels`` equals ``input_ids``. Every state, convolution
+    and attention of the model then reads across the end of one document into the next.
+
+    ``packing="documents"``: the same documents (and end-of-document ids) are packed into rows
+    with their boundaries (:mod:`hybridzoo.training.packing`): ``position_ids`` restart at 0 at
+    every document, so the model resets every state at each one, and no label crosses a boundary;
+    a document longer than a row is cut into row-sized pieces, and rows are filled best-fit with
+    padding (no loss) at their ends. Fine-tuning samples (jsonl ``prompt`` / ``response`` or chat
+    ``messages``, see :func:`read_documents`) need this mode; only their responses are trained. The held-out split is fixed by document: with ``period = round(1 / val_fraction)``
     every ``period``-th document (index ``i % period == period - 1``) is held out, so validation
     never overlaps training. When that cannot fill one validation row (fewer than ``period``
     documents, or short ones), the last ``val_fraction`` of the token stream is held out instead.
@@ -16,7 +25,8 @@ Text (:class:`TextDataModule`)
     found through ``sysconfig.get_paths()["stdlib"]`` (real text on every machine, no download),
     without test directories and ``site-packages``; a deterministic subset of about
     :data:`DEFAULT_CORPUS_BYTES` bytes (or ``max_files`` files), one document per file.
-    Otherwise ``paths`` lists files or directories: ``.jsonl`` (a ``"text"`` field per line),
+    Otherwise ``paths`` lists files or directories: ``.jsonl`` (a ``"text"`` field per line, or
+    a fine-tuning sample per line),
     ``.parquet`` (a ``"text"`` column, needs pyarrow), any other file is one text document;
     directories are searched recursively for ``.txt``, ``.jsonl`` and ``.parquet`` files.
 
@@ -44,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hybridzoo.training.mqar import check_mqar_args, multiquery_ar
+from hybridzoo.training.packing import DocumentRows, Sample, sample_from_record, tokenize_sequences
 from hybridzoo.training.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -62,7 +73,8 @@ DEFAULT_CORPUS_BYTES = 4_000_000
 DIRECTORY_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
-Document = str | bytes
+Document = str | bytes | Sample
+PACKINGS = ("stream", "documents")
 
 
 # --------------------------------------------------------------------------- reading documents
@@ -118,6 +130,10 @@ def read_documents(path: str | Path) -> list[Document]:
     """The documents of one file: ``.jsonl`` -> the ``"text"`` of each line, ``.parquet`` -> the
     ``"text"`` column, anything else -> the whole file as one document (UTF-8 bytes).
 
+    A jsonl line may instead hold a fine-tuning sample (a :class:`~hybridzoo.training.packing.Sample`):
+    ``{"prompt": str, "response": str}`` or ``{"messages": [{"role": str, "content": str}, ...]}``
+    (see :func:`~hybridzoo.training.packing.sample_from_record`).
+
     Empty documents are dropped. Raises ``ValueError`` naming the file (and line) on a malformed
     jsonl line or a missing ``text`` field/column, ``ImportError`` for parquet without pyarrow.
     """
@@ -132,8 +148,13 @@ def read_documents(path: str | Path) -> list[Document]:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg})") from None
+                sample = sample_from_record(record, f"{path}, line {number}") if isinstance(record, dict) else None
+                if sample is not None:
+                    docs.append(sample)
+                    continue
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{path}, line {number}: expected an object with a "text" string field')
+                    raise ValueError(f'{path}, line {number}: expected an object with a "text" string field '
+                                     f'(or a fine-tuning sample: "prompt" and "response", or "messages")')
                 docs.append(record["text"])
     elif path.suffix == ".parquet":
         try:
@@ -354,6 +375,9 @@ class TextDataModule(_ResumableDataModule):
         num_workers: DataLoader worker processes.
         max_files: read at most this many files (the first ones, sorted; for the embedded corpus
             see :func:`stdlib_files`).
+        packing: ``"stream"`` (rows cut from one token stream, documents read each other) or
+            ``"documents"`` (rows with document boundaries and ``position_ids``; needed for
+            fine-tuning samples). See the module docstring.
     """
 
     def __init__(
@@ -366,8 +390,11 @@ class TextDataModule(_ResumableDataModule):
         seed: int = 0,
         num_workers: int = 0,
         max_files: int | None = None,
+        packing: str = "stream",
     ):
         super().__init__()
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(map(repr, PACKINGS))}, got {packing!r}")
         if isinstance(paths, (str, Path)):
             paths = [paths]
         if paths is not None and len(paths) == 0:
@@ -387,6 +414,7 @@ class TextDataModule(_ResumableDataModule):
         self.tokenizer_spec = tokenizer
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.seed, self.num_workers, self.max_files = seed, num_workers, max_files
+        self.packing = packing
         self._tokenizer: Tokenizer | None = None
         self.save_hyperparameters()
 
@@ -439,6 +467,11 @@ class TextDataModule(_ResumableDataModule):
         docs = self.documents()
         if not docs:
             raise ValueError(f"{self.source}: no text")
+        if self.packing == "documents":
+            return self._setup_documents(docs)
+        if any(isinstance(d, Sample) for d in docs):
+            raise ValueError(f"{self.source} holds fine-tuning samples (prompt/response or messages): they are "
+                             "packed with their boundaries only; pass packing='documents' (--data.packing documents)")
         train_docs, val_docs = split_documents(docs, self.val_fraction)
         val = _pack(val_docs, self.tokenizer)
         if val.numel() >= self.seq_len:
@@ -466,6 +499,26 @@ class TextDataModule(_ResumableDataModule):
             self.bytes_per_token = 1.0  # one byte per token; document separators count as tokens
         self._train_set = PackedDataset(train, self.seq_len)
         self._val_set = PackedDataset(val, self.seq_len)
+
+
+    def _setup_documents(self, docs: list[Document]) -> None:
+        """``packing="documents"``: held-out documents as in stream mode (the last document when
+        that holds out none), each split packed into rows with boundaries."""
+        train_docs, val_docs = split_documents(docs, self.val_fraction)
+        if not val_docs:
+            train_docs, val_docs = docs[:-1], docs[-1:]
+        if not train_docs:
+            raise ValueError(f"{self.source} holds {len(docs)} document: packing='documents' needs at least 2 "
+                             "(one to train on, one held out); add documents or use packing='stream'")
+        pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        train = DocumentRows(tokenize_sequences(train_docs, self.tokenizer), self.seq_len, pad)
+        val = DocumentRows(tokenize_sequences(val_docs, self.tokenizer), self.seq_len, pad)
+        real = val.tokens.numel() - val.padding
+        if isinstance(self.tokenizer, ByteTokenizer):
+            self.bytes_per_token = 1.0
+        elif real and not any(isinstance(d, Sample) for d in val_docs):
+            self.bytes_per_token = _utf8_bytes(val_docs) / real
+        self._train_set, self._val_set = train, val
 
 
 def _utf8_bytes(docs: Sequence[Document]) -> int:

@@ -75,7 +75,10 @@ class LanguageModel(L.LightningModule):
         betas: AdamW betas.
 
     Batches are dicts ``{"input_ids": [B, T] int64, "labels": [B, T] int64}`` (labels are
-    shifted inside HybridLM; -100 = no loss).
+    shifted inside HybridLM; -100 = no loss), and for packed documents also
+    ``"position_ids": [B, T]`` restarting at 0 at each document (or ``"cu_seqlens"``, int32
+    ``[N + 1]``, for a single packed row): both are passed on to ``HybridLM``, which then resets
+    every state at each boundary.
     """
 
     def __init__(self, config: HybridConfig, learning_rate: float = 3e-3, weight_decay: float = 0.1,
@@ -108,8 +111,8 @@ class LanguageModel(L.LightningModule):
             raise ValueError(f"the data has vocab_size {vocab} but the model config has vocab_size "
                              f"{self.config.vocab_size}; set model.config.vocab_size to {vocab}")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        return self.model(input_ids, labels=labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **documents):
+        return self.model(input_ids, labels=labels, **documents)
 
     # ---- steps --------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -117,7 +120,7 @@ class LanguageModel(L.LightningModule):
         if seco is not None:
             loss = seco.training_loss(self.model, batch)
         else:
-            _, _, loss = self.model(batch["input_ids"], labels=batch["labels"])
+            _, _, loss = self.model(batch["input_ids"], labels=batch["labels"], **documents_of(batch))
         batch_size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=batch_size)
@@ -128,8 +131,8 @@ class LanguageModel(L.LightningModule):
         self._val_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits, _, loss = self.model(batch["input_ids"], labels=batch["labels"])
-        self._val_sums += validation_sums(logits, batch["labels"], loss)
+        logits, _, loss = self.model(batch["input_ids"], labels=batch["labels"], **documents_of(batch))
+        self._val_sums += validation_sums(logits, batch["labels"], loss, batch.get("position_ids"))
         return loss
 
     def on_validation_epoch_end(self) -> None:
@@ -169,17 +172,28 @@ class LanguageModel(L.LightningModule):
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
 
 
+def documents_of(batch: dict) -> dict:
+    """The document boundaries of a batch as ``HybridLM`` keywords: ``position_ids`` and / or
+    ``cu_seqlens`` where the batch has them (nothing for a batch of plain rows)."""
+    return {key: batch[key] for key in ("position_ids", "cu_seqlens") if batch.get(key) is not None}
+
+
 # the names LanguageModel logs the metrics of validation_metrics under
 _LOGGED_NAMES = {"loss": "val/loss", "perplexity": "val/ppl", "accuracy": "val/acc", "bits_per_byte": "val/bpb"}
 
 
-def validation_sums(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+def validation_sums(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One batch's ``[loss · n, n, correct]`` (float64, on the logits' device): ``n`` labelled
     next-token positions, ``correct`` of them predicted by the argmax. ``logits [B, T, V]``,
-    ``labels [B, T]`` (unshifted, -100 ignored), ``loss`` the batch's mean loss (a scalar).
-    Summed over batches (and ranks), they give :func:`validation_metrics`."""
+    ``labels [B, T]`` (unshifted, -100 ignored), ``loss`` the batch's mean loss (a scalar),
+    ``position_ids [B, T]`` of packed documents (a label at a document's first token, position
+    0, is not predicted: the model's loss skips it too). Summed over batches (and ranks), they
+    give :func:`validation_metrics`."""
     targets = labels[:, 1:]
     mask = targets != -100
+    if position_ids is not None:
+        mask = mask & (position_ids[:, 1:] != 0)
     count = mask.sum()
     correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum()
     return torch.stack([loss.double() * count, count.double(), correct.double()])

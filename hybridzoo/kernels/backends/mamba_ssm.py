@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 OPS = ("selective_scan", "causal_conv1d")
-VARLEN_OPS = {"causal_conv1d"}  # ops that take cu_seqlens
+VARLEN_OPS: set[str] = {"causal_conv1d"}  # through causal-conv1d's seq_idx; mamba_ssm's scan takes no boundaries
 
 
 def _require(module: str, package: str):

@@ -9,6 +9,14 @@
   cannot run — head dims below 16 on CUDA, or a backward on CPU (flex has none there) — the
   same call goes to the reference implementation.
 
+Packed documents (``cu_seqlens``): on CUDA ``flex_attention`` with a block mask built from each
+token's document index (same document, causal, window); the block mask skips the blocks between
+documents, so a row of short documents costs about the sum of their squares, not the square of
+the row (flash-attn's varlen call would too, but it is not a dependency; flex is in PyTorch). The
+mask is made once per ``cu_seqlens`` tensor and window, so every layer of a forward reuses it. On
+a CPU ``scaled_dot_product_attention`` with the boolean document mask (the reference when
+``return_lse`` is asked).
+
 Same signature and semantics as :func:`hybridzoo.kernels.reference.attention`.
 """
 
@@ -20,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 OPS = ("attention",)
+VARLEN_OPS = {"attention"}  # packed documents (cu_seqlens=)
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,9 +52,68 @@ def _block_mask(q_len: int, kv_len: int, prefix_len: int, window: int | None, de
     return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
 
 
-def attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False):
+# (cu_seqlens, its version, window, device) -> block mask: the last few packed rows' masks
+_DOCUMENT_MASKS: dict[int, tuple] = {}
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor, total: int, window: int | None, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hybridzoo.kernels.varlen import seq_idx_from_cu_seqlens
+
+    key = (id(cu_seqlens), window, str(device))
+    seen = _DOCUMENT_MASKS.get(key)
+    if seen is not None and seen[0] is cu_seqlens and seen[1] == cu_seqlens._version:
+        return seen[2]
+    document = seq_idx_from_cu_seqlens(cu_seqlens, total).to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = (kv_idx <= q_idx) & (document[q_idx] == document[kv_idx])
+        if window is not None:
+            visible = visible & (q_idx - kv_idx < window)
+        return visible
+
+    mask = create_block_mask(mask_mod, None, None, total, total, device=str(device))
+    if len(_DOCUMENT_MASKS) >= 8:
+        _DOCUMENT_MASKS.clear()
+    _DOCUMENT_MASKS[key] = (cu_seqlens, cu_seqlens._version, mask)
+    return mask
+
+
+def _packed_attention(q, k, v, window, scale, return_lse, cu_seqlens):
+    """Attention of a packed ``[1, T, ...]`` row: each query sees its own document only."""
+    from hybridzoo.kernels.varlen import check_packed, seq_idx_from_cu_seqlens
+
+    cu = check_packed("attention", cu_seqlens, q)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"attention: with cu_seqlens k/v must hold the same {q.shape[1]} tokens as q, got {k.shape[1]}")
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
+    if q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16:
+        mask = _document_block_mask(cu, q.shape[1], window, q.device)
+        out, lse = _compiled_flex()(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+        out = out.transpose(1, 2)
+        return (out, lse.transpose(1, 2).float()) if return_lse else (out, None)
+    if return_lse or q.is_cuda:  # SDPA gives no lse; flex needs head dims >= 16 on CUDA
+        from hybridzoo.kernels.reference import attention as reference_attention
+
+        return reference_attention(q, k, v, window=window, scale=scale, return_lse=return_lse, cu_seqlens=cu)
+    document = seq_idx_from_cu_seqlens(cu, q.shape[1])
+    position = torch.arange(q.shape[1], device=q.device)
+    diff = position[:, None] - position[None, :]
+    visible = (diff >= 0) & (document[:, None] == document[None, :])
+    if window is not None:
+        visible = visible & (diff < window)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def attention(q, k, v, *, window=None, prefix=None, scale=None, return_lse=False, cu_seqlens=None):
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be None or >= 1, got {window}")
+    if cu_seqlens is not None:
+        if prefix is not None:
+            raise ValueError("attention: prefix together with cu_seqlens is not supported; pass one of them")
+        return _packed_attention(q, k, v, window, scale, return_lse, cu_seqlens)
     if prefix is not None and prefix[0].shape[1] == 0:
         prefix = None
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]

@@ -21,9 +21,12 @@ from hybridzoo.kernels.reference.selective_scan import (
 )
 
 OPS = ("chunk_linear_attn", "chunk_delta_rule", "selective_scan", "attention", "causal_conv1d")
+# the ops that take packed documents (cu_seqlens): all of them (see hybridzoo.kernels.varlen)
+VARLEN_OPS = set(OPS)
 
 __all__ = [
     "OPS",
+    "VARLEN_OPS",
     "attention",
     "attention_loop",
     "attention_step",

@@ -73,6 +73,22 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None)
     return mask
 
 
+def _document_mask(q, k, prefix, cu_seqlens) -> torch.Tensor | None:
+    """``[T, T]`` bool, query and key in the same document, for a packed call; None otherwise."""
+    if cu_seqlens is None:
+        return None
+    from hybridzoo.kernels.varlen import check_packed, seq_idx_from_cu_seqlens
+
+    if prefix is not None:
+        raise ValueError("attention: prefix together with cu_seqlens is not supported; pass one of them")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"attention: with cu_seqlens k/v must hold the same {q.shape[1]} tokens as q, "
+                         f"got {k.shape[1]}")
+    cu = check_packed("attention", cu_seqlens, q)
+    document = seq_idx_from_cu_seqlens(cu, q.shape[1])
+    return document[:, None] == document[None, :]
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,6 +98,7 @@ def attention(
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention, full or sliding-window, optionally after a K/V prefix.
 
@@ -94,12 +111,17 @@ def attention(
             call; any P, also longer than the window (keys out of every window are skipped).
         scale: multiplies the scores; default ``D ** -0.5``.
         return_lse: also return the log-sum-exp of the scaled, masked scores.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` row
+            (``k``/``v`` of the same ``T`` tokens, no prefix): the mask is then block-diagonal, a
+            query seeing only the keys of its own document (the window counts positions inside
+            the document, which inside one document is the same distance).
 
     Returns:
         ``(o [B, T, Hq, Dv] in q.dtype, lse [B, T, Hq] or None)``; computed and lse in float32
         (float64 for float64 inputs).
     """
     prefix_len = _check(q, k, v, window, prefix)
+    same_document = _document_mask(q, k, prefix, cu_seqlens)
     batch, length, hq, dk = q.shape
     hk, dv = k.shape[2], v.shape[3]
     dtype = _compute_dtype(q)
@@ -114,6 +136,8 @@ def attention(
     query_pos = prefix_len + torch.arange(length, device=q.device)
     key_pos = torch.arange(first, prefix_len + k.shape[1], device=q.device)
     visible = _visible(query_pos, key_pos, window)  # [T, S]
+    if same_document is not None:
+        visible = visible & same_document
 
     q_grouped = q.to(dtype).view(batch, length, hk, hq // hk, dk)  # head h = kv_head * G + g
     scores = torch.einsum("bthgd,bshd->bhgts", q_grouped, keys.to(dtype)) * scale

@@ -53,6 +53,7 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     activation: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv over the whole sequence.
 
@@ -61,11 +62,21 @@ def causal_conv1d(
         weight: ``[Dm, W]``; bias: ``[Dm]`` or None.
         initial_state: ``[B, W-1, Dm]``, the last ``W − 1`` inputs before this call, or None (zeros).
         output_final_state: also return the last ``W − 1`` inputs of ``cat(initial_state, x)``.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` row:
+            each document runs alone from ``initial_state[n]`` (states ``[N, ...]``), see
+            :mod:`hybridzoo.kernels.reference.packed`.
         activation: None or ``"silu"``.
 
     Returns:
         ``(y [B, T, Dm] in x.dtype, final_state [B, W-1, Dm] in x.dtype or None)``.
     """
+    if cu_seqlens is not None:  # packed documents: each alone, joined (reference/packed.py)
+        from hybridzoo.kernels.reference.packed import run_per_document
+
+        return run_per_document(
+            "causal_conv1d",
+            lambda x, **kw: causal_conv1d(x, weight, bias, activation=activation, **kw),
+            cu_seqlens, (x,), initial_state, output_final_state)
     _check(x, weight, bias, initial_state, activation, seq=True)
     batch, _, dm = x.shape
     width = weight.shape[1]

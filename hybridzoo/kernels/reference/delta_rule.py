@@ -151,6 +151,7 @@ def chunk_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise gated delta rule with the WY (UT) form inside each chunk (see the module doc).
 
@@ -163,11 +164,22 @@ def chunk_delta_rule(
         initial_state: ``[B, H, K, V]`` or None (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: tokens per chunk, any value >= 1 (T need not be a multiple).
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` row:
+            each document runs alone from ``initial_state[n]`` (states ``[N, ...]``), see
+            :mod:`hybridzoo.kernels.reference.packed`.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] or None)``. The computation and the
         state are float32, or float64 when an input is float64.
     """
+    if cu_seqlens is not None:  # packed documents: each alone, joined (reference/packed.py)
+        from hybridzoo.kernels.reference.packed import run_per_document
+
+        return run_per_document(
+            "chunk_delta_rule",
+            lambda q, k, v, log_a, beta, **kw: chunk_delta_rule(q, k, v, log_a, beta, scale=scale,
+                                                                chunk_size=chunk_size, **kw),
+            cu_seqlens, (q, k, v, log_a, beta), initial_state, output_final_state)
     _check(q, k, v, log_a, beta, initial_state, step=False)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")

@@ -137,6 +137,7 @@ def chunk_linear_attn(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise (gated) linear attention: ``S_t = diag(a_t) S_{t-1} + k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``.
 
@@ -162,12 +163,22 @@ def chunk_linear_attn(
         scale: multiplies the read; default ``K ** -0.5``.
         initial_state: ``[B, H, K, V]`` or None (zeros).
         output_final_state: also return the state after token T.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` row:
+            each document runs alone from ``initial_state[n]`` (states ``[N, ...]``), see
+            :mod:`hybridzoo.kernels.reference.packed`.
         chunk_size: any value >= 1; T need not be a multiple.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] or None)``; the state is float32
         (float64 for float64 inputs).
     """
+    if cu_seqlens is not None:  # packed documents: each alone, joined (reference/packed.py)
+        from hybridzoo.kernels.reference.packed import run_per_document
+
+        return run_per_document(
+            "chunk_linear_attn",
+            lambda q, k, v, log_a, **kw: chunk_linear_attn(q, k, v, log_a, scale=scale, chunk_size=chunk_size, **kw),
+            cu_seqlens, (q, k, v, log_a), initial_state, output_final_state)
     _check(q, k, v, log_a, initial_state, time=True)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")

@@ -175,6 +175,7 @@ def selective_scan(
     output_final_state: bool = False,
     *,
     chunk_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-1 selective scan over the whole sequence, chunk by chunk.
 
@@ -192,12 +193,23 @@ def selective_scan(
             ``log2(chunk)`` passes over that tensor, so on a CPU a small chunk (down to the plain
             loop for large states) is faster; measured at B32 T64 Dm128 N64 fwd+bwd: chunk 64
             1.6 s, chunk 4 0.27 s.
+        cu_seqlens: None, or int32 ``[N + 1]`` document boundaries of a packed ``B = 1`` row:
+            each document runs alone from ``initial_state[n]`` (states ``[N, ...]``), see
+            :mod:`hybridzoo.kernels.reference.packed`.
 
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] or None)``; the state is float32,
         float64 for float64 inputs. Only ``[B, chunk_size, Dm, N]`` states exist at a time in
         the forward pass.
     """
+    if cu_seqlens is not None:  # packed documents: each alone, joined (reference/packed.py)
+        from hybridzoo.kernels.reference.packed import run_per_document
+
+        return run_per_document(
+            "selective_scan",
+            lambda u, delta, B, C, z, **kw: selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                                           chunk_size=chunk_size, **kw),
+            cu_seqlens, (u, delta, B, C, z), initial_state, output_final_state)
     groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
     if chunk_size is None:
         per_token = u.shape[0] * u.shape[2] * A.shape[1]
