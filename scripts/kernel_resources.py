@@ -248,10 +248,7 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  # 16-byte stack frame at 96 registers with Triton 3.7.1 (12 B), none with 3.6 and 3.9
                  "selective_scan _fwd_carry_kernel BLOCK_D=8 warps=1": 12,
                  "selective_scan _fwd_carry_kernel N=64 BLOCK_D=4 warps=2": 12,
-                 # packed documents (VARLEN): at N = 64 each document's initial state and last state
-                 # are [BLOCK_T, 64, BLOCK_D] tiles: 64 B with 3.7.1, 40 with 3.9, 144 with 3.6 (before
-                 # the per-block branches); the N = 16 backward spilled 4 to 12 B with 3.6 there
-                 "selective_scan _fwd_kernel VARLEN N=64 BLOCK_D=4 warps=2": 160,
+                 # packed documents (VARLEN): the N = 16 backward spilled 4 to 12 B with Triton 3.6
                  "selective_scan _bwd_kernel VARLEN BLOCK_T=8 BLOCK_D=4 warps=1": 16,
                  "selective_scan _bwd_kernel VARLEN BLOCK_T=8 PREFETCH BLOCK_D=4 warps=1": 16}
 
