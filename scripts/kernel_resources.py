@@ -273,7 +273,10 @@ SPILL_ALLOWED = {"selective_scan _bwd_kernel BLOCK_T=16 BLOCK_D=4 warps=1": 560,
                  # the entering state folded into its first token (selective_scan._block_states): a
                  # 16-byte stack frame at 96 registers with Triton 3.7.1 (12 B), none with 3.6 and 3.9
                  "selective_scan _fwd_carry_kernel BLOCK_D=8 warps=1": 12,
-                 "selective_scan _fwd_carry_kernel N=64 BLOCK_D=4 warps=2": 12}
+                 "selective_scan _fwd_carry_kernel N=64 BLOCK_D=4 warps=2": 12,
+                 # packed documents (VARLEN): the N = 16 backward spilled 4 to 12 B with Triton 3.6
+                 "selective_scan _bwd_kernel VARLEN BLOCK_T=8 BLOCK_D=4 warps=1": 16,
+                 "selective_scan _bwd_kernel VARLEN BLOCK_T=8 PREFETCH BLOCK_D=4 warps=1": 16}
 
 
 def elementwise_settings():
@@ -289,10 +292,10 @@ def elementwise_settings():
     ints = {"T", "DM", "NTB", "SX", "SDX", "NCH", "N", "G", "PER_GROUP", "NB", "S", "BPS", "NBC", "ZS", "DZS", "BCS"}
 
     def types(kernel, constexprs):
-        return {n: "i32" if n in ints else "*bf16" if n in bf16 else "*fp32"
-                for n in kernel.arg_names if n not in constexprs}
+        return {n: "i32" if n in ints else "*i32" if n in ("seq_ptr", "cu_ptr") else "*bf16" if n in bf16
+                else "*fp32" for n in kernel.arg_names if n not in constexprs}
 
-    flags = dict(W=4, HAS_BIAS=True, HAS_S0=True, SILU=True)
+    flags = dict(W=4, HAS_BIAS=True, HAS_S0=True, SILU=True, VARLEN=False)
     for kind, kernel, configs in (("fwd", conv._fwd_kernel, conv.FWD_CONFIGS), ("bwd", conv._bwd_kernel, conv.BWD_CONFIGS)):
         settings = [conv.FIXED[kind]] + [dict(c.kwargs, num_warps=c.num_warps) for c in configs]
         for st in {tuple(sorted(x.items())) for x in settings}:
@@ -307,7 +310,7 @@ def elementwise_settings():
         yield (f"conv _bwd_seq_kernel CHUNK={st['CHUNK']} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']} "
                f"unroll={st['UNROLL']}", conv._bwd_seq_kernel, types(conv._bwd_seq_kernel, ce), ce, st["num_warps"], 3)
     for block_n in (16, 64):  # Mamba-1's d_state 16, and 64 (mqar-mamba1-l)
-        flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n)
+        flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n, VARLEN=False)
         fixed = scan._config(training=True, block_n=block_n)
         label = "" if block_n == 16 else f"N={block_n} "
         # the forward at its fixed setting and the autotuner's candidates
@@ -330,7 +333,7 @@ def elementwise_settings():
                 (c.kwargs["BLOCK_D"], c.num_warps, c.maxnreg) for c in kept}
             for prefetch in (False, True) if block_n == 16 else (False,):
                 for block_d, warps, cap in sorted(settings, key=lambda x: (x[0], x[1], x[2] or 0)):
-                    ce = dict(flags, HAS_DY=True, HAS_DHT=False, SEGMENTED=True, PREFETCH=prefetch,
+                    ce = dict(flags, HAS_DY=True, HAS_DHT=False, HAS_H0=False, SEGMENTED=True, PREFETCH=prefetch,
                               DT_GIVEN=scan.BWD_DT_GIVEN, BLOCK_T=block_t,
                               BLOCK_D=block_d, **({} if cap is None else {"maxnreg": cap}))
                     yield (f"selective_scan _bwd_kernel {label}BLOCK_T={block_t}{' PREFETCH' if prefetch else ''} "
@@ -345,7 +348,37 @@ def elementwise_settings():
             label = "" if block_n == 16 else f"N={block_n} "
             yield (f"selective_scan {kernel.__name__} {label}BLOCK_D={block_d} warps={warps}", kernel,
                    types(kernel, ce), ce, warps, 3)
+    yield from _varlen_settings(conv, scan, types)
     yield from norm_settings()
+
+
+def _varlen_settings(conv, scan, types):
+    """The packed-documents (``VARLEN``) variants of the conv and selective-scan kernels at their
+    fixed GPU settings (per-document states and tails, their gradients; the backward at its time
+    block, plain and loading a block ahead), N = 16 and 64."""
+    flags = dict(W=4, HAS_BIAS=True, HAS_S0=True, SILU=True, VARLEN=True)
+    for kernel, kind, span in ((conv._fwd_kernel, "fwd", "BLOCK_T"), (conv._bwd_kernel, "bwd", "BLOCK_T"),
+                               (conv._bwd_seq_kernel, "seq", "CHUNK")):
+        st = conv._fixed(kind, varlen=True)
+        ce = dict(flags, **{k: v for k, v in st.items() if k != "num_warps"})
+        yield (f"conv {kernel.__name__} VARLEN {span}={st[span]} BLOCK_D={st['BLOCK_D']} warps={st['num_warps']}",
+               kernel, types(kernel, ce), ce, st["num_warps"], 3)
+    for block_n in (16, 64):
+        flags = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=block_n, VARLEN=True, HAS_H0=True)
+        fixed = scan._config(training=True, block_n=block_n)
+        label = "" if block_n == 16 else f"N={block_n} "
+        block_d, warps = scan.VARLEN_FWD_TILE.get((fixed["fwd_block_d"], fixed["fwd_warps"]),
+                                                  (fixed["fwd_block_d"], fixed["fwd_warps"]))
+        ce = dict(flags, STORE_CKPT=True, STAGES=fixed["fwd_stages"], NB_LOOP=0, CKPT_T=fixed["bwd_block_t"],
+                  SEGMENTED=False, DT_GIVEN=scan.FWD_DT_GIVEN, BLOCK_T=fixed["block_t"], BLOCK_D=block_d)
+        yield (f"selective_scan _fwd_kernel VARLEN {label}BLOCK_D={block_d} warps={warps}",
+               scan._fwd_kernel, types(scan._fwd_kernel, ce), ce, warps, 3)
+        for prefetch in (False, True):
+            ce = dict(flags, HAS_DY=True, HAS_DHT=True, SEGMENTED=False, PREFETCH=prefetch, DT_GIVEN=scan.BWD_DT_GIVEN,
+                      BLOCK_T=fixed["bwd_block_t"], BLOCK_D=fixed["bwd_block_d"])
+            yield (f"selective_scan _bwd_kernel VARLEN {label}BLOCK_T={fixed['bwd_block_t']}"
+                   f"{' PREFETCH' if prefetch else ''} BLOCK_D={fixed['bwd_block_d']} warps={fixed['bwd_warps']}",
+                   scan._bwd_kernel, types(scan._bwd_kernel, ce), ce, fixed["bwd_warps"], 3)
 
 
 # (group, gated, norm_before_gate): RMSNorm at d_model 1024 / 4096 / 8192; the gated norm per

@@ -14,4 +14,4 @@ from hybridzoo.kernels.triton.conv import causal_conv1d  # noqa: E402
 
 OPS: tuple[str, ...] = ("chunk_linear_attn", "chunk_delta_rule", "selective_scan", "causal_conv1d")
 # the ops whose kernels take packed documents (cu_seqlens=); each kernel adds its name when it does
-VARLEN_OPS: set[str] = {"chunk_delta_rule", "chunk_linear_attn"}
+VARLEN_OPS: set[str] = {"chunk_delta_rule", "chunk_linear_attn", "selective_scan", "causal_conv1d"}

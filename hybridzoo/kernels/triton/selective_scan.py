@@ -50,6 +50,7 @@ from hybridzoo.kernels.reference import selective_scan as _reference_scan
 from hybridzoo.kernels.reference.selective_scan import _check
 from hybridzoo.kernels.triton import launch
 from hybridzoo.kernels.triton.fast_exp import LOG2E, _exp2
+from hybridzoo.kernels.triton.varlen_rows import doc_block, doc_rows
 
 __all__ = ["selective_scan", "selective_scan_grads", "selective_scan_saved"]
 
@@ -200,9 +201,14 @@ BWD_PREFETCH_WAVES, BWD_PROGRAMS_PER_SM = 1, 12
 # at T 8192 as computing Δ (1.05x both), so the forward computes Δ itself.
 BWD_DT_GIVEN = True
 FWD_DT_GIVEN = False
+# The training forward's fixed tiles on packed documents (VARLEN: each document's initial state read
+# and last state stored at its tokens, decays reset at its first): the 8-wide 1-warp tile spills 68 B
+# (sm_90, Triton 3.7.1; 8 channels on 2 warps: none), N = 64's 4-wide 2-warp one 44 B (3.7.1) to 596
+# B (3.6; 4 channels on 8 warps: none). Unpacked launches keep the measured tiles.
+VARLEN_FWD_TILE = {(8, 1): (8, 2), (4, 2): (4, 8)}
 DT_BLOCK_R, DT_BLOCK_D = 32, 128
 
-TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N"]
+TUNE_KEY = ["DM", "N", "G", "PER_GROUP", "HAS_D", "HAS_Z", "HAS_BIAS", "SOFTPLUS", "BLOCK_T", "BLOCK_N", "VARLEN"]
 
 # exp: fast_exp._exp2 (one ex2.approx.ftz.f32 on CUDA), with log2(e) folded into A once a program.
 
@@ -364,15 +370,53 @@ def _adjoint_scan(dt_next, A, dy0, Ct, carry, rows):
 
 
 @triton.jit
+def _doc_block_states(u, dt, Bt, A, h, rows, start, h0_ptr, doc, dn, dn_mask, DMN, HAS_H0: tl.constexpr):
+    """:func:`_block_states` in a packed row: at a document's first token (``start``) the state
+    entering is that document's initial state (``h0 [N_docs, Dm, N]`` at row ``doc``; zeros
+    without ``HAS_H0``) instead of the token before's (its decay ``a`` is set to 0 in the scan).
+    Returns ``(hs, x, a)`` with ``a = exp(Δ A)`` as computed (not reset)."""
+    a = _exp2(dt[:, None, :] * (A * LOG2E)[None, :, :])
+    x = (dt * u)[:, None, :] * Bt[:, :, None]
+    start3 = start[:, None, None]
+    entering = tl.where((rows == 0)[:, None, None], h[None, :, :], 0.0)
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + doc[:, None, None] * DMN + dn[None, :, :], mask=start3 & dn_mask[None, :, :],
+                     other=0.0).to(tl.float32)
+        entering = tl.where(start3, h0, entering)
+    else:
+        entering = tl.where(start3, 0.0, entering)
+    _, hs = tl.associative_scan((tl.where(start3, 0.0, a), x + a * entering), 0, _combine)
+    return hs, x, a
+
+
+@triton.jit
+def _doc_adjoint_scan(dt_next, A, dy0, Ct, carry, rows, end, dhT_ptr, doc, dn, dn_mask, DMN,
+                      HAS_DHT: tl.constexpr):
+    """:func:`_adjoint_scan` in a packed row: after a document's last token (``end``) the adjoint
+    does not come back from the next token (its decay is 0) but from the gradient of that
+    document's final state (``dhT [N_docs, Dm, N]`` at row ``doc``; zero without ``HAS_DHT``)."""
+    end3 = end[:, None, None]
+    a_next = tl.where(end3, 0.0, _exp2(dt_next[:, None, :] * (A * LOG2E)[None, :, :]))
+    c = dy0[:, None, :] * Ct[:, :, None]
+    if HAS_DHT:
+        c += tl.load(dhT_ptr + doc[:, None, None] * DMN + dn[None, :, :], mask=end3 & dn_mask[None, :, :],
+                     other=0.0).to(tl.float32)
+    c = tl.where((rows == rows.shape[0] - 1)[:, None, None], c + a_next * carry[None, :, :], c)
+    _, g_b = tl.associative_scan((tl.flip(a_next, 0), tl.flip(c, 0)), 0, _combine)
+    gs = tl.flip(g_b, 0)
+    return gs, _row(gs, rows, 0)
+
+
+@triton.jit
 def _fwd_kernel(
     u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
     y_ptr, hT_ptr, ckpt_ptr, hl_ptr, sdt_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS, NBC, ZS, BCS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, NBC, ZS, BCS, seq_ptr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_CKPT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, NB_LOOP: tl.constexpr, SEGMENTED: tl.constexpr, CKPT_T: tl.constexpr,
-    DT_GIVEN: tl.constexpr,
+    DT_GIVEN: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """Program ``(b, channel block, s)``: time blocks ``[s·BPS, (s+1)·BPS)`` of segment ``s`` (the
     whole sequence when ``S == 1``; ``NB_LOOP``: ``BPS`` as a constexpr under the interpreter).
@@ -380,12 +424,17 @@ def _fwd_kernel(
     ``h ← exp(A ΣΔ_s') h + hl_s'`` (:func:`_fwd_carry_kernel`'s ``hl``, ``sdt``). With
     ``STORE_CKPT`` the state entering every ``CKPT_T`` tokens (``CKPT_T`` divides ``BLOCK_T``) goes
     to ``ckpt [B, NBC, Dm, N]``. With ``DT_GIVEN`` the step sizes are read from ``dt_ptr``
-    (:func:`_dt_kernel`). ``ZS``, ``BCS``: elements from one token of z, of B and C, to the next."""
+    (:func:`_dt_kernel`). ``ZS``, ``BCS``: elements from one token of z, of B and C, to the next.
+    With ``VARLEN`` (one packed row, ``S == 1``) ``seq_ptr`` holds each token's document index
+    ``[T]`` int32: the state restarts at each document's first token from its row of ``h0 [N_docs,
+    Dm, N]`` (zeros without ``HAS_H0``) and each document's last state goes to its row of ``hT``."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    if HAS_H0:
+    if VARLEN:  # each document's initial state enters at its first token (_doc_block_states)
+        h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    elif HAS_H0:
         h = tl.load(h0_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -407,7 +456,19 @@ def _fwd_kernel(
             u_ptr, delta_ptr, dt_ptr, B_ptr, bias, b, t, d, dmask, g, n, nmask, T, DM, N, BCS, HAS_BIAS, SOFTPLUS,
             DT_GIVEN)
         Ct = tl.load(C_ptr + bc_off, mask=bc_mask, other=0.0).to(tl.float32)
-        hs, x = _block_states(u, dt, Bt, A, h, rows)  # states of the block's tokens, on chip only
+        if VARLEN:  # reset at each document's first token; each document's last state stored
+            starts, ends = doc_block(seq_ptr, blk * BLOCK_T, BLOCK_T, T)
+            if starts:  # a document starts in this block
+                doc, start, end = doc_rows(seq_ptr, t, T)
+                hs, x, _ = _doc_block_states(u, dt, Bt, A, h, rows, start, h0_ptr, doc, dn, dn_mask, DM * N, HAS_H0)
+            else:  # most blocks (documents of hundreds of tokens): the plain block
+                hs, x = _block_states(u, dt, Bt, A, h, rows)
+            if ends:
+                doc, start, end = doc_rows(seq_ptr, t, T)
+                tl.store(hT_ptr + doc[:, None, None] * (DM * N) + dn[None, :, :], hs,
+                         mask=end[:, None, None] & dn_mask[None, :, :])
+        else:
+            hs, x = _block_states(u, dt, Bt, A, h, rows)  # states of the block's tokens, on chip only
         if STORE_CKPT:  # the state entering each later sub-block: after the token before it
             for j in tl.static_range(1, BLOCK_T // CKPT_T):
                 sub = blk * (BLOCK_T // CKPT_T) + j
@@ -421,7 +482,8 @@ def _fwd_kernel(
             y = y * zv * tl.sigmoid(zv)
         tl.store(y_ptr + off, y, mask=m2)
         h = _row(hs, rows, BLOCK_T - 1)
-    tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask & (seg == S - 1))
+    if not VARLEN:
+        tl.store(hT_ptr + b * DM * N + dn, h, mask=dn_mask & (seg == S - 1))
 
 
 @triton.jit
@@ -494,13 +556,18 @@ def _bwd_loads(blk, u_ptr, delta_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, ckpt_ptr, dy_
 @triton.jit
 def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
                b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G, DZS,
+               seq_ptr, h0_ptr, dhT_ptr, dh0_ptr, dn, dn_mask,
                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-               DT_GIVEN: tl.constexpr, BLOCK_T: tl.constexpr):
+               DT_GIVEN: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+               HAS_DHT: tl.constexpr):
     """One time block ``blk`` of :func:`_bwd_kernel` from its inputs (:func:`_bwd_loads`):
     recompute its states from the saved one, run the adjoint back from ``carry`` (the adjoint at
     the next block's first token), store du, d(delta), dz, add to dB and dC; returns ``(carry at
     this block's first token, dA_acc, dD_acc, dbias_acc)`` with this block's sums added. dB and dC
-    are contiguous ``[B, T, G, N]``; dz's tokens are ``DZS`` elements apart."""
+    are contiguous ``[B, T, G, N]``; dz's tokens are ``DZS`` elements apart. With ``VARLEN``: the
+    document resets of :func:`_doc_block_states` and :func:`_doc_adjoint_scan`, and each
+    document's initial-state gradient ``exp(Δ A) g`` at its first token into its row of ``dh0``
+    (with ``HAS_H0``)."""
     t, m2, off, bc_off, bc_mask = _block_offsets(blk, rows, b, g, d, dmask, n, nmask, T, DM, N, G * N, BLOCK_T)
     u = u.to(tl.float32)
     if DT_GIVEN:  # step and step_next are Δ and Δ one token on (zero past T)
@@ -515,7 +582,17 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
     Bt = Bt.to(tl.float32)
     Ct = Ct.to(tl.float32)
     # recompute the block's states from the state that entered it
-    hs, x = _block_states(u, dt, Bt, A, h_start, rows)
+    if VARLEN:  # the document path only in the blocks where one starts or ends
+        starts, ends = doc_block(seq_ptr, blk * BLOCK_T, BLOCK_T, T)
+        if starts:
+            doc, start, end = doc_rows(seq_ptr, t, T)
+            hs, x, a = _doc_block_states(u, dt, Bt, A, h_start, rows, start, h0_ptr, doc, dn, dn_mask, DM * N,
+                                         HAS_H0)
+        else:
+            hs, x = _block_states(u, dt, Bt, A, h_start, rows)
+            a = x  # unread: no document starts here
+    else:
+        hs, x = _block_states(u, dt, Bt, A, h_start, rows)
     # output gate
     if HAS_Z:
         zv = zv.to(tl.float32)
@@ -527,7 +604,20 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
         dy0 = dy * zv * sz
     else:
         dy0 = dy
-    gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
+    if VARLEN:
+        if ends:
+            doc, start, end = doc_rows(seq_ptr, t, T)
+            gs, carry = _doc_adjoint_scan(dt_next, A, dy0, Ct, carry, rows, end, dhT_ptr, doc, dn, dn_mask, DM * N,
+                                          HAS_DHT)
+        else:
+            gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
+        if HAS_H0:  # each document's initial-state gradient, at its first token
+            if starts:
+                doc, start, end = doc_rows(seq_ptr, t, T)
+                tl.store(dh0_ptr + doc[:, None, None] * (DM * N) + dn[None, :, :], a * gs,
+                         mask=start[:, None, None] & dn_mask[None, :, :])
+    else:
+        gs, carry = _adjoint_scan(dt_next, A, dy0, Ct, carry, rows)
     # gradients; a_t h_{t-1} = h_t - Δ_t B_t u_t
     ah = hs - x
     gdt = gs * dt[:, None, :]
@@ -553,11 +643,11 @@ def _bwd_block(blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_p
 def _bwd_kernel(
     u_ptr, delta_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr, dh0_ptr, gl_ptr, sdtn_ptr,
-    T, DM, N, G, PER_GROUP, NB, S, BPS, ZS, DZS, BCS,
+    T, DM, N, G, PER_GROUP, NB, S, BPS, ZS, DZS, BCS, seq_ptr, h0_ptr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_DY: tl.constexpr, HAS_DHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTED: tl.constexpr,
-    PREFETCH: tl.constexpr, DT_GIVEN: tl.constexpr,
+    PREFETCH: tl.constexpr, DT_GIVEN: tl.constexpr, VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = False,
 ):
     """Program ``(b, channel block, s)``: the time blocks of segment ``s`` in reverse (the whole
     sequence when ``S == 1``). With ``DT_GIVEN`` the step sizes are read from ``dt_ptr``
@@ -565,11 +655,15 @@ def _bwd_kernel(
     is folded from the segments after it: ``g ← gl_s' + exp(A ΣΔ'_s') g``
     (:func:`_bwd_carry_kernel`'s ``gl``, ``sdtn``). dA, dD and d(delta_bias) are written per
     (batch, segment), summed in torch. ``ZS``, ``DZS``, ``BCS``: elements from one token of z, of
-    dz, of B and C, to the next."""
+    dz, of B and C, to the next. With ``VARLEN`` (one packed row, ``S == 1``): ``seq_ptr`` each
+    token's document index ``[T]`` int32, ``h0`` (with ``HAS_H0``), ``dhT`` (with ``HAS_DHT``) and
+    ``dh0`` per document ``[N_docs, Dm, N]`` (:func:`_bwd_block`)."""
     b, seg, g, d, dmask, n, nmask, dn, dn_mask, A, bias = _program(A_ptr, bias_ptr, N, PER_GROUP, HAS_BIAS,
                                                                     BLOCK_D, BLOCK_N)
     Dv = _channel_values(D_ptr, d, dmask, HAS_D)
-    if HAS_DHT:  # the adjoint after the last token
+    if VARLEN:  # each document's final-state gradient enters at its last token (_doc_adjoint_scan)
+        carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    elif HAS_DHT:  # the adjoint after the last token
         carry = tl.load(dhT_ptr + b * DM * N + dn, mask=dn_mask, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -603,14 +697,15 @@ def _bwd_kernel(
         carry, dA_acc, dD_acc, dbias_acc = _bwd_block(
             blk, u, step, step_next, Bt, Ct, dy, zv, h_start, delta_ptr, du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr,
             b, g, d, dmask, n, nmask, A, bias, Dv, rows, carry, dA_acc, dD_acc, dbias_acc, T, DM, N, G, DZS,
-            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, DT_GIVEN, BLOCK_T)
+            seq_ptr, h0_ptr, dhT_ptr, dh0_ptr, dn, dn_mask,
+            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, DT_GIVEN, BLOCK_T, VARLEN, HAS_H0, HAS_DHT)
         blk -= 1
-    # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
-    raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        raw0 += bias
-    a0 = _exp2(_step_size(raw0, SOFTPLUS)[None, :] * (A * LOG2E))
-    tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask & (seg == 0))
+    if not VARLEN:  # initial-state gradient (the first segment's): exp(Δ_0 A) g_0
+        raw0 = tl.load(delta_ptr + b * T * DM + d, mask=dmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw0 += bias
+        a0 = _exp2(_step_size(raw0, SOFTPLUS)[None, :] * (A * LOG2E))
+        tl.store(dh0_ptr + b * DM * N + dn, a0 * carry, mask=dn_mask & (seg == 0))
     part = b * S + seg  # this program's row of the per-(batch, segment) sums
     tl.store(dA_ptr + part * DM * N + dn, dA_acc, mask=dn_mask)
     if HAS_D:
@@ -716,10 +811,12 @@ def _prefetched(programs: int, cfg: dict, n: int, device: torch.device) -> bool:
 SEGMENTS = 1
 
 
-def _segments(n_blocks: int) -> tuple[int, int]:
+def _segments(n_blocks: int, varlen: bool = False) -> tuple[int, int]:
     """``(S, blocks per segment)`` for ``n_blocks`` time blocks in :data:`SEGMENTS` segments (fewer
-    where the blocks do not fill them: ``S · per >= n_blocks > (S - 1) · per``)."""
-    per = triton.cdiv(n_blocks, max(1, min(SEGMENTS, n_blocks)))
+    where the blocks do not fill them: ``S · per >= n_blocks > (S - 1) · per``); one segment for a
+    packed row (``varlen``: its documents reset the state where they start, which the segments'
+    carries do not model)."""
+    per = triton.cdiv(n_blocks, max(1, min(1 if varlen else SEGMENTS, n_blocks)))
     return triton.cdiv(n_blocks, per), per
 
 
@@ -764,10 +861,11 @@ def _dz_buffer(dz_out, z):
     return dz_out
 
 
-def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt):
+def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store_ckpt, seq_idx=None, n_docs=0):
     """Launch the forward on prepared inputs (:func:`_prepared`): ``(y, final, ckpt)``, ``ckpt`` the
     state entering each of the backward's time blocks ``[B, ceil(T / bwd_block_t), Dm, N]`` float32
-    when ``store_ckpt``."""
+    when ``store_ckpt``. A packed row (``seq_idx [T]`` int32, each token's document index, B = 1):
+    ``initial_state`` and ``final`` are per document, ``[n_docs, Dm, N]``."""
     batch, length, dm = u.shape
     zs, bcs = _strides(z, B)
     groups, n = B.shape[2], A.shape[1]
@@ -776,9 +874,12 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
     cfg = _config(training=store_ckpt, block_n=block_n)
     n_blocks = triton.cdiv(length, cfg["block_t"])
     ckpt_t = cfg.get("bwd_block_t", cfg["block_t"])
-    segments, per = _segments(n_blocks)
+    segments, per = _segments(n_blocks, seq_idx is not None)
+    if seq_idx is not None and not launch.interpret():
+        cfg["fwd_block_d"], cfg["fwd_warps"] = VARLEN_FWD_TILE.get((cfg["fwd_block_d"], cfg["fwd_warps"]),
+                                                                   (cfg["fwd_block_d"], cfg["fwd_warps"]))
     y = launch.empty((batch, length, dm), u.dtype, u.device)
-    final = launch.empty((batch, dm, n), torch.float32, u.device)
+    final = launch.empty((batch if seq_idx is None else n_docs, dm, n), torch.float32, u.device)
     ckpt = launch.empty((batch, triton.cdiv(length, ckpt_t), dm, n) if store_ckpt else (1,), torch.float32,
                         u.device)
     hl = sdt = final  # unread with one segment
@@ -800,20 +901,24 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, store
         u if delta_bias is None else delta_bias, u if initial_state is None else initial_state,
         y, final, ckpt, hl, sdt,
         length, dm, n, groups, per_group, n_blocks, segments, per, triton.cdiv(length, ckpt_t), zs, bcs,
+        u if seq_idx is None else seq_idx,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_H0=initial_state is not None, STORE_CKPT=store_ckpt,
         BLOCK_T=cfg["block_t"], BLOCK_N=block_n, STAGES=cfg.get("fwd_stages", 1),
         NB_LOOP=launch.loop_count(per), SEGMENTED=segments > 1, CKPT_T=ckpt_t, DT_GIVEN=dt is not None,
-        fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
+        VARLEN=seq_idx is not None, fixed=dict(BLOCK_D=cfg["fwd_block_d"], num_warps=cfg["fwd_warps"]),
     )
     return y, final, ckpt
 
 
-def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, initial_dtype, dz_out=None):
+def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, initial_dtype, dz_out=None,
+              seq_idx=None, initial_state=None, n_docs=0):
     """Launch the backward on prepared inputs and the forward's ``ckpt``: the gradients of
     ``(u, delta, A, B, C, D, z, delta_bias, initial_state)`` (None for a None input; the
     initial state's in ``initial_dtype``, None when there was none). dz goes to ``dz_out`` where
-    given (z's shape and dtype, tokens evenly spaced: :func:`_dz_buffer`)."""
+    given (z's shape and dtype, tokens evenly spaced: :func:`_dz_buffer`). A packed row
+    (``seq_idx``, as in :func:`_forward`) also reads the per-document ``initial_state`` (its
+    states restart from it), and ``dfinal`` and the initial state's gradient are per document."""
     cfg = _config(training=True, block_n=max(triton.next_power_of_2(A.shape[1]), 2))
     batch, length, dm = u.shape
     groups, n = B.shape[2], A.shape[1]
@@ -825,7 +930,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     dev = u.device
     n_blocks, block_n = ckpt.shape[1], max(triton.next_power_of_2(n), 2)
     programs = batch * groups * triton.cdiv(per_group, cfg["bwd_block_d"])
-    segments, per = _segments(n_blocks)
+    segments, per = _segments(n_blocks, seq_idx is not None)
     fixed = dict(BLOCK_D=cfg["bwd_block_d"], num_warps=cfg["bwd_warps"])
     if cfg.get("bwd_maxnreg"):
         fixed["maxnreg"] = cfg["bwd_maxnreg"]
@@ -843,7 +948,7 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
     dA = launch.empty((batch, segments, dm, n), torch.float32, dev)  # per batch and segment, summed below
     dD = None if D is None else launch.empty((batch, segments, dm), torch.float32, dev)
     dbias = None if delta_bias is None else launch.empty((batch, segments, dm), torch.float32, dev)
-    dh0 = launch.empty((batch, dm, n), torch.float32, dev)
+    dh0 = launch.empty((batch if seq_idx is None else max(n_docs, 1), dm, n), torch.float32, dev)
     dy = None if dy is None else dy.contiguous()
     dfinal = None if dfinal is None else dfinal.contiguous()
     # Δ once, float32, before the backward reads it twice a token (Δ and Δ one token on)
@@ -868,10 +973,11 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
         du, ddelta, du if dz is None else dz, dB, dC, dA,
         dA if dD is None else dD, dA if dbias is None else dbias, dh0, gl, sdtn,
         length, dm, n, groups, per_group, n_blocks, segments, per, zs, dzs, bcs,
+        u if seq_idx is None else seq_idx, u if initial_state is None else initial_state,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=softplus, HAS_DY=dy is not None, HAS_DHT=dfinal is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, SEGMENTED=segments > 1, PREFETCH=prefetch, DT_GIVEN=dt is not None,
-        fixed=fixed,
+        VARLEN=seq_idx is not None, HAS_H0=seq_idx is not None and initial_state is not None, fixed=fixed,
     )
     return (
         du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),
@@ -882,32 +988,58 @@ def _backward(u, delta, A, B, C, D, z, delta_bias, softplus, ckpt, dy, dfinal, i
 
 
 class _SelectiveScanFn(torch.autograd.Function):
-    """Inputs as :func:`_prepared` gives them (B, C ``[B, T, G, N]``)."""
+    """Inputs as :func:`_prepared` gives them (B, C ``[B, T, G, N]``); ``seq_idx`` None or, for a
+    packed row, each token's document index (:func:`_packed`)."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state, seq_idx, n_docs):
         y, final, ckpt = _forward(u, delta, A, B, C, D, z, delta_bias, softplus, initial_state,
-                                  store_ckpt=any(ctx.needs_input_grad))
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, ckpt)
-        ctx.softplus = softplus
+                                  store_ckpt=any(ctx.needs_input_grad), seq_idx=seq_idx, n_docs=n_docs)
+        # a packed row's backward restarts each document from its initial state
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, ckpt, seq_idx,
+                              None if seq_idx is None else initial_state)
+        ctx.softplus, ctx.n_docs = softplus, n_docs
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        u, delta, A, B, C, D, z, delta_bias, ckpt = ctx.saved_tensors
-        grads = _backward(u, delta, A, B, C, D, z, delta_bias, ctx.softplus, ckpt, dy, dfinal, ctx.initial_dtype)
-        return (*grads[:8], None, grads[8])
+        u, delta, A, B, C, D, z, delta_bias, ckpt, seq_idx, initial_state = ctx.saved_tensors
+        grads = _backward(u, delta, A, B, C, D, z, delta_bias, ctx.softplus, ckpt, dy, dfinal, ctx.initial_dtype,
+                          seq_idx=seq_idx, initial_state=initial_state, n_docs=ctx.n_docs)
+        return (*grads[:8], None, grads[8], None, None)
 
 
-def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str):
+def _packed(cu_seqlens, u, A, initial_state, what: str):
+    """``(seq_idx, n_docs)`` of a packed call: each token's document index ``[T]`` int32 on u's
+    device and the number of documents, after checking ``cu_seqlens`` (:func:`hybridzoo.kernels.
+    varlen.check_cu_seqlens`), the batch of one row and the per-document ``initial_state [N_docs,
+    Dm, N]``; ``(None, 0)`` without ``cu_seqlens``."""
+    if cu_seqlens is None:
+        return None, 0
+    from hybridzoo.kernels.varlen import check_cu_seqlens, seq_idx_from_cu_seqlens
+
+    if u.dim() != 3 or u.shape[0] != 1:
+        raise ValueError(f"{what} (triton): with cu_seqlens the documents are packed in one row, u [1, total, Dm]; "
+                         f"got u {tuple(u.shape)}")
+    cu = check_cu_seqlens(cu_seqlens, u.shape[1], u.device)
+    n_docs = cu.numel() - 1
+    expected = (n_docs, u.shape[2], A.shape[-1])
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ValueError(f"{what} (triton): with cu_seqlens initial_state is per document, [N_docs, Dm, N] = "
+                         f"{list(expected)}; got {tuple(initial_state.shape)}")
+    return seq_idx_from_cu_seqlens(cu, u.shape[1]).to(device=u.device, dtype=torch.int32).contiguous(), n_docs
+
+
+def _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, what: str, packed: bool = False):
     """The checks of the op and its inputs as the kernels take them: B and C ``[B, T, G, N]``;
     z, B and C read in place where their tokens are evenly spaced (a slice of the channels of a
     wider tensor: Mamba's gate half of ``in_proj``'s output, the B and C columns of ``x_proj``'s;
     B and C with one stride), everything else contiguous; raises on float64 or a non-CUDA device
-    outside the interpreter."""
-    groups = _check(u, delta, A, B, C, D, z, delta_bias, initial_state, seq=True)
+    outside the interpreter. ``packed``: ``initial_state`` is per document, checked by
+    :func:`_packed`."""
+    groups = _check(u, delta, A, B, C, D, z, delta_bias, None if packed else initial_state, seq=True)
     launch.require_usable(what, u.device, u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, length, _ = u.shape
     n = A.shape[1]
@@ -933,6 +1065,8 @@ def selective_scan(
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-1 selective scan, fused Triton kernels (forward and backward).
 
@@ -944,24 +1078,33 @@ def selective_scan(
         delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: ``[B, Dm, N]`` or None (zeros); computed in float32.
         output_final_state: also return the state after the last token.
+        cu_seqlens: None, or int32 ``[N_docs + 1]`` cumulative document lengths of documents packed
+            in one row (B = 1, ``T = cu_seqlens[-1]``): the state restarts at each document's first
+            token from that document's ``initial_state [N_docs, Dm, N]`` (zeros if None), and
+            ``final_state`` is ``[N_docs, Dm, N]``, each document's last state. Handled in the
+            kernels' time blocks (a document index per token), with no padding.
 
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32 or None)``. Gradients flow to
         every tensor input, ``initial_state`` included, and from ``final_state``.
     """
+    packed = cu_seqlens is not None
     if u.shape[1] == 0:
-        _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan")
+        _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan", packed)
+        _packed(cu_seqlens, u, A, initial_state, "selective_scan")
         return _reference_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                initial_state, output_final_state)
-    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan")
-    y, final = _SelectiveScanFn.apply(*prepared[:8], bool(delta_softplus), prepared[8])
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan", packed)
+    seq_idx, n_docs = _packed(cu_seqlens, u, A, initial_state, "selective_scan")
+    y, final = _SelectiveScanFn.apply(*prepared[:8], bool(delta_softplus), prepared[8], seq_idx, n_docs)
     return y, (final if output_final_state else None)
 
 
 def selective_scan_saved(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False, initial_state: torch.Tensor | None = None,
+    delta_softplus: bool = False, initial_state: torch.Tensor | None = None, *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`selective_scan`'s forward for a caller that keeps its output and takes the backward
     later from :func:`selective_scan_grads` (no autograd graph is built).
@@ -969,20 +1112,25 @@ def selective_scan_saved(
     Returns:
         ``(y [B, T, Dm] in u.dtype, final_state [B, Dm, N] float32, saved)``: ``saved`` is the
         state entering each time block of the backward, ``[B, ceil(T / bwd_block_t), Dm, N]``
-        float32 (``bwd_block_t`` from :func:`_config`), which the backward restarts from.
+        float32 (``bwd_block_t`` from :func:`_config`), which the backward restarts from. With
+        ``cu_seqlens`` (as in :func:`selective_scan`) ``final_state`` is ``[N_docs, Dm, N]``.
     """
     if u.shape[1] == 0:
         raise ValueError("selective_scan_saved (triton): T must be at least 1")
-    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_saved")
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_saved",
+                         cu_seqlens is not None)
+    seq_idx, n_docs = _packed(cu_seqlens, u, A, initial_state, "selective_scan_saved")
     with torch.no_grad():
-        return _forward(*prepared[:8], bool(delta_softplus), prepared[8], store_ckpt=True)
+        return _forward(*prepared[:8], bool(delta_softplus), prepared[8], store_ckpt=True, seq_idx=seq_idx,
+                        n_docs=n_docs)
 
 
 def selective_scan_grads(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None, saved: torch.Tensor, dy: torch.Tensor | None,
-    dfinal: torch.Tensor | None, delta_softplus: bool = False, dz_out: torch.Tensor | None = None,
+    dfinal: torch.Tensor | None, delta_softplus: bool = False, dz_out: torch.Tensor | None = None, *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of :func:`selective_scan` w.r.t. ``(u, delta, A, B, C, D, z, delta_bias,
     initial_state)`` from those of its outputs (``dy [B, T, Dm]``, ``dfinal [B, Dm, N]``; None
@@ -990,11 +1138,16 @@ def selective_scan_grads(
     :func:`selective_scan_saved`. Each gradient comes in its input's dtype and shape (B and C as
     given, ``[B, T, N]`` or ``[B, T, G, N]``), None for a None input. ``dz_out``: where to write
     z's gradient (z's shape and dtype, tokens evenly spaced, e.g. the gate half of ``in_proj``'s
-    gradient), returned as it; None: a new tensor."""
-    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_grads")
+    gradient), returned as it; None: a new tensor. ``cu_seqlens``: that of the forward
+    (``dfinal`` and the initial state's gradient then ``[N_docs, Dm, N]``)."""
+    prepared = _prepared(u, delta, A, B, C, D, z, delta_bias, initial_state, "selective_scan_grads",
+                         cu_seqlens is not None)
+    seq_idx, n_docs = _packed(cu_seqlens, u, A, initial_state, "selective_scan_grads")
     dz_out = None if dz_out is None else _dz_buffer(dz_out, z)
     with torch.no_grad():
         grads = list(_backward(*prepared[:8], bool(delta_softplus), saved.contiguous(), dy, dfinal,
-                               None if initial_state is None else initial_state.dtype, dz_out))
+                               None if initial_state is None else initial_state.dtype, dz_out,
+                               seq_idx=seq_idx, initial_state=prepared[8] if seq_idx is not None else None,
+                               n_docs=n_docs))
     grads[3], grads[4] = grads[3].reshape(B.shape), grads[4].reshape(C.shape)
     return tuple(grads)
