@@ -388,6 +388,7 @@ def _plan_record(files: list[Path], tasks: list[Task], settings: _Settings, iden
 def _prepare_out(out: Path, plan: dict, overwrite: bool) -> set[int]:
     """Create ``out`` or check it: returns the tasks already done (resume)."""
     state = out / ".prepare"
+    plan = json.loads(json.dumps(plan))  # as read back from plan.json (tuples become lists)
     if out.exists() and not out.is_dir():
         raise PrepareError(f"output {out} is a file; choose a directory")
     if out.is_dir() and any(out.iterdir()):
