@@ -30,6 +30,15 @@ Text (:class:`TextDataModule`)
     ``.parquet`` (a ``"text"`` column, needs pyarrow), any other file is one text document;
     directories are searched recursively for ``.txt``, ``.jsonl`` and ``.parquet`` files.
 
+Prepared sets
+    ``prepared=DIR`` streams a set written by ``hybridzoo prepare`` (:mod:`hybridzoo.training.prepare`)
+    instead of reading ``paths``: rows of ``seq_len`` tokens are read from its Arrow shards on
+    demand (:mod:`hybridzoo.training.shards`), in ``packing="stream"`` or, with document
+    boundaries cut at row edges, ``packing="documents"``; validation reads the set's held-out
+    documents; ``tokenizer=None`` uses the set's tokenizer, and another tokenizer than the set's
+    is refused. The order is :class:`~hybridzoo.training.shards.ShardSampler`'s (below, without
+    padding the last rank: the ranks' rows are disjoint).
+
 Data order and resuming
     Training rows are shuffled by a permutation seeded with ``seed + epoch`` (``torch.randperm``
     through :class:`torch.utils.data.DistributedSampler`, so each rank of a multi-GPU run gets
@@ -545,15 +554,15 @@ class TextDataModule(_ResumableDataModule):
 
     def _setup_prepared(self) -> None:
         """Rows streamed from a prepared set's shards; its own held-out documents validate."""
-        from hybridzoo.training.shards import ShardRows
+        from hybridzoo.training.shards import ShardRows, open_split
 
         prepared = self._prepared
         tokenizer = self.tokenizer  # checks the run's tokenizer against the set's
         model = getattr(getattr(self, "trainer", None), "lightning_module", None)
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         prepared.check_vocab(int(vocab) if vocab is not None else tokenizer.vocab_size)
-        train = ShardRows(prepared.stream("train"), self.seq_len, self.packing)
-        val = ShardRows(prepared.stream("val"), self.seq_len, self.packing)
+        train = ShardRows(open_split(prepared, "train"), self.seq_len, self.packing)
+        val = ShardRows(open_split(prepared, "val"), self.seq_len, self.packing)
         for name, rows, stream in (("training", train, train.stream), ("validation", val, val.stream)):
             if len(rows) == 0:
                 raise ValueError(

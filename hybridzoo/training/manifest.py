@@ -112,9 +112,3 @@ class PreparedSet:
 
     def files(self, split: str) -> list[Path]:
         return [self.directory / s["file"] for s in self.manifest["splits"][split]["shards"]]
-
-    def stream(self, split: str):
-        """The :class:`~hybridzoo.training.shards.TokenStream` of ``split`` (``train`` / ``val``)."""
-        from hybridzoo.training.shards import TokenStream
-
-        return TokenStream(self.files(split), self.dtype)

@@ -465,6 +465,11 @@ def prepare(sources: list[str | Path], out: str | Path, tokenizer: str | None = 
         raise PrepareError(f"--val-fraction must be in [0, 0.5], got {val_fraction}")
     if shard_bytes < 1:
         raise PrepareError(f"shard size must be >= 1 byte, got {shard_bytes}")
+    try:
+        import datasets  # noqa: F401  (the shards' engine)
+    except ImportError:
+        raise ImportError("hybridzoo prepare writes Hugging Face datasets shards: pip install 'hybridzoo[data]' "
+                          "(or pip install datasets)") from None
     out = Path(out).expanduser()
     tok = load_tokenizer(tokenizer)
     identity = tokenizer_identity(tok)

@@ -41,7 +41,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from hybridzoo.training.manifest import MANIFEST, PreparedSet, tokenizer_identity
 
-__all__ = ["MANIFEST", "PreparedSet", "ShardRows", "ShardSampler", "TokenStream", "tokenizer_identity"]
+__all__ = ["MANIFEST", "PreparedSet", "ShardRows", "ShardSampler", "TokenStream", "open_split", "tokenizer_identity"]
 
 
 # --------------------------------------------------------------------------- the token stream
@@ -50,7 +50,10 @@ __all__ = ["MANIFEST", "PreparedSet", "ShardRows", "ShardSampler", "TokenStream"
 def _record_batches(path: Path) -> Iterator[tuple[int, np.ndarray]]:
     """``(file offset of the first token, document offsets int64 [docs + 1] from 0)`` of each
     record batch of one Arrow file (IPC stream, as ``datasets`` writes it)."""
-    import pyarrow as pa
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ImportError("reading a prepared set needs pyarrow: pip install 'hybridzoo[data]'") from None
 
     with pa.memory_map(str(path)) as source:
         base = source.read_buffer(1).address  # zero-copy: the address of the file's first byte
@@ -67,6 +70,11 @@ def _record_batches(path: Path) -> Iterator[tuple[int, np.ndarray]]:
             values = lists.values
             start = values.buffers()[1].address - base + (values.offset + offsets[0]) * values.type.byte_width
             yield int(start), offsets - offsets[0]
+
+
+def open_split(prepared: PreparedSet, split: str) -> TokenStream:
+    """The :class:`TokenStream` of a prepared set's ``split`` (``"train"`` / ``"val"``)."""
+    return TokenStream(prepared.files(split), prepared.dtype)
 
 
 class TokenStream:

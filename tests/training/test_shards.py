@@ -12,7 +12,7 @@ from hybridzoo.cli import main
 from hybridzoo.training.data import TextDataModule
 from hybridzoo.training.manifest import PreparedSet
 from hybridzoo.training.prepare import prepare
-from hybridzoo.training.shards import ShardRows, ShardSampler
+from hybridzoo.training.shards import ShardRows, ShardSampler, open_split
 from tests.training.test_cli import QUIET, write_recipe
 from tests.training.test_prepare import docs_of, read_split, write_jsonl
 
@@ -35,7 +35,7 @@ def documents(out, split) -> list[bytes]:
 def test_stream_reads_the_documents_in_order(prepared):
     docs = documents(prepared, "train")
     expected = np.frombuffer(b"".join(docs), dtype=np.uint8)
-    stream = PreparedSet(prepared).stream("train")
+    stream = open_split(PreparedSet(prepared), "train")
     assert len(stream) == len(expected) and stream.num_documents == len(docs)
     assert np.array_equal(stream.read(0, len(stream)), expected)
     rng = np.random.default_rng(0)
@@ -50,7 +50,7 @@ def test_rows_stream_and_documents(prepared):
     docs = documents(prepared, "train")
     tokens = torch.tensor(list(b"".join(docs)), dtype=torch.int64)
     starts = set(np.cumsum([0] + [len(d) for d in docs]).tolist())
-    stream = PreparedSet(prepared).stream("train")
+    stream = open_split(PreparedSet(prepared), "train")
     plain, packed = ShardRows(stream, SEQ, "stream"), ShardRows(stream, SEQ, "documents")
     assert len(plain) == len(packed) == len(tokens) // SEQ
     for i in (0, 1, 7, len(plain) - 1):
