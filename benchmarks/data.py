@@ -197,6 +197,10 @@ def prepare_speed(corpus: Path, work: Path, mb: int, vocab: int, workers: int) -
     train_s = time.perf_counter() - started
     (work / "bpe").mkdir()
     tokenizer.save(str(work / "bpe" / "tokenizer.json"))
+    # the tokenizer alone, in this process: its CPU time per MB is the ceiling of prepare's speed
+    cpu = time.process_time()
+    tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    alone = sum(len(t.encode("utf-8")) for t in texts) / 1e6 / (time.process_time() - cpu)
     from hybridzoo.training.prepare import prepare
 
     import resource
@@ -212,7 +216,8 @@ def prepare_speed(corpus: Path, work: Path, mb: int, vocab: int, workers: int) -
     return {"bpe_vocab": vocab, "bpe_train_s": train_s, "bytes": nbytes, "tokens": tokens, "workers": workers,
             "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
             "mb_per_s_per_core": nbytes / 1e6 / seconds / workers, "cpu_seconds": cpu,
-            "mb_per_cpu_second": nbytes / 1e6 / cpu, "bytes_per_token": nbytes / tokens}
+            "mb_per_cpu_second": nbytes / 1e6 / cpu, "tokenizer_alone_mb_per_cpu_second": alone,
+            "bytes_per_token": nbytes / tokens, "load_average": os.getloadavg()}
 
 
 def _cpu_seconds(resource) -> float:
@@ -235,7 +240,8 @@ def run_size(size_gb: float, tmp: Path, args) -> dict:
             row["bpe_prepare"] = prepare_speed(corpus, work, args.bpe_mb, args.bpe_vocab, args.prepare_workers)
             bpe = row["bpe_prepare"]
             log(f"{size_gb} GB: BPE prepare {bpe['mb_per_s_per_core']:.2f} MB/s per core (wall), "
-                f"{bpe['mb_per_cpu_second']:.2f} MB per CPU second")
+                f"{bpe['mb_per_cpu_second']:.2f} MB per CPU second (the tokenizer alone: "
+                f"{bpe['tokenizer_alone_mb_per_cpu_second']:.2f})")
         started = time.perf_counter()
         manifest = prepare([corpus], work / "prepared", None, workers=args.prepare_workers, progress=False)
         seconds = time.perf_counter() - started
@@ -283,6 +289,15 @@ def markdown(record: dict) -> str:
                       f"| {many['tokens_per_s'] / 1e6:.1f}M tok/s "
                       f"| {max(r['peak_rss_gb'] for r in row['stream']):.2f} GB "
                       f"| {max(r['peak_pss_gb'] for r in row['stream']):.2f} GB |")
+    bpe = next((r["bpe_prepare"] for r in record["rows"] if "bpe_prepare" in r), None)
+    if bpe:
+        lines += ["", f"BPE prepare: {bpe['bytes'] / 1e6:.0f} MB with a {bpe['bpe_vocab']}-id byte-level BPE "
+                      f"({bpe['bytes_per_token']:.2f} bytes/token), {bpe['workers']} workers: "
+                      f"{bpe['mb_per_s']:.2f} MB/s wall, {bpe['mb_per_cpu_second']:.2f} MB per CPU second of the "
+                      f"prepare processes; the tokenizer alone (encode_batch_fast, one process): "
+                      f"{bpe['tokenizer_alone_mb_per_cpu_second']:.2f} MB per CPU second. Load average during "
+                      f"the run: {record['load_average_start'][0]:.1f} at the start, "
+                      f"{bpe['load_average'][0]:.1f} after the BPE prepare (other jobs shared the 2 cores)."]
     lines += ["", "Targets: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in record["targets_met"].items()),
               "", record.get("note", "")]
     return "\n".join(lines) + "\n"
@@ -323,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             "rss <= 2 GB": max(r["peak_rss_gb"] for r in big["stream"]) <= TARGETS["rss_gb"],
             "loader >= 2M tokens/s (1 process)": min(r["tokens_per_s"] for r in big["stream"] if r["workers"] == 0)
             >= TARGETS["loader_tokens_per_s"],
-            "BPE prepare >= 5 MB/s per core": bool(bpe) and bpe["mb_per_s_per_core"] >= TARGETS["bpe_mb_per_s_per_core"],
+            "BPE prepare >= 5 MB/s per core (wall)": bool(bpe)
+            and bpe["mb_per_s_per_core"] >= TARGETS["bpe_mb_per_s_per_core"],
+            "BPE prepare >= 5 MB per CPU second": bool(bpe)
+            and bpe["mb_per_cpu_second"] >= TARGETS["bpe_mb_per_s_per_core"],
         }
         write_json(out.with_suffix(".json"), record)
         out.with_suffix(".md").write_text(markdown(record))
