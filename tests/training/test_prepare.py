@@ -170,3 +170,22 @@ def test_command_line(tmp_path, capsys):
     assert PreparedSet(tmp_path / "out").manifest["val_fraction"] == 0.2
     assert main(["prepare", str(corpus), str(tmp_path / "out")]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_default_path_imports_no_shard_engine():
+    """``import hybridzoo``, the embedded corpus's data module and ``hybridzoo --help`` import
+    neither datasets nor pyarrow (the ``data`` extra is optional)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridzoo\n"
+            "from hybridzoo.training.data import TextDataModule\n"
+            "TextDataModule(max_files=3, seq_len=32).vocab_size\n"
+            "from hybridzoo.cli import _parser; _parser()\n"
+            "import hybridzoo.training.prepare\n"
+            "print(sorted(m for m in ('datasets', 'pyarrow', 'litdata') if m in sys.modules))\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
