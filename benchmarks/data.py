@@ -12,6 +12,9 @@ corpus, then streams the prepared set through ``TextDataModule(prepared=...)``'s
 * with ``--workers`` loader workers: tokens/s and the peak resident memory (VmRSS) of the main
   process and of its workers together, sampled every 50 ms.
 
+Each measurement runs in a fresh (spawned) interpreter, as a training process would: its memory
+is the loader's plus torch's and Lightning's, not what the benchmark allocated before.
+
 It also measures ``prepare``'s speed with a Hugging Face BPE tokenizer: a byte-level BPE of
 ``--bpe-vocab`` ids trained locally with ``tokenizers`` on the corpus's first 16 MB (no
 download), then used to prepare the first ``--bpe-mb`` MB of the corpus: MB/s per worker.
@@ -170,6 +173,25 @@ def stream(prepared: Path, batches: int, seq_len: int, batch_size: int, workers:
             "peak_rss_main_gb": rss.peak_main / 1e9}
 
 
+def _stream_child(queue, args: tuple) -> None:
+    queue.put(stream(*args))
+
+
+def stream_in_fresh_process(*args) -> dict:
+    """:func:`stream` in a fresh interpreter (spawned), so that its memory is the loader's and the
+    training process's imports only, not what this benchmark allocated before (the corpus
+    generator, the BPE training)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_stream_child, args=(queue, args))
+    child.start()
+    result = queue.get()
+    child.join()
+    return result
+
+
 def prepare_speed(corpus: Path, work: Path, mb: int, vocab: int, workers: int) -> dict:
     """Train a byte-level BPE on the corpus's first 16 MB, then time ``prepare`` on its first
     ``mb`` MB with ``workers`` processes."""
@@ -255,7 +277,8 @@ def run_size(size_gb: float, tmp: Path, args) -> dict:
         corpus.unlink()
         row["stream"] = []
         for packing, workers in (("stream", 0), ("documents", 0), ("stream", args.workers)):
-            result = stream(work / "prepared", args.batches, args.seq_len, args.batch_size, workers, packing)
+            result = stream_in_fresh_process(work / "prepared", args.batches, args.seq_len, args.batch_size,
+                                             workers, packing)
             row["stream"].append(result)
             log(f"{size_gb} GB: {packing} rows, {workers} workers: {result['tokens_per_s'] / 1e6:.2f}M tokens/s, "
                 f"peak RSS {result['peak_rss_gb']:.2f} GB (PSS {result['peak_pss_gb']:.2f} GB)")

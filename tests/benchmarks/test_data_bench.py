@@ -18,7 +18,8 @@ def test_generated_corpus_is_jsonl_of_the_size(tmp_path):
     assert len({r["id"] for r in records}) == len(records)  # repetitions get their own ids
 
 
-def test_tiny_run_writes_the_record(tmp_path):
+def test_tiny_run_writes_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "stream_in_fresh_process", bench.stream)  # spawning takes seconds
     out = tmp_path / "record"
     assert bench.main(["--size", "0.0003", "--compare-size", "0", "--batches", "2", "--seq-len", "64",
                        "--workers", "0", "--prepare-workers", "1", "--bpe-mb", "0", "--tmp", str(tmp_path),
