@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,6 @@ class _Settings:
     val_fraction: float = 0.05
     dtype: str = "uint8"
     eos_id: int | None = 0
-    extra: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- planning
