@@ -200,7 +200,8 @@ class ShardSampler(DistributedSampler):
     """:class:`~hybridzoo.training.data.ResumableSampler` for many rows: the permutation
     (``torch.randperm`` seeded with ``seed + epoch``) stays a tensor, the last
     ``num_rows % num_replicas`` rows of it are dropped, so the ranks' rows are disjoint
-    (rank ``r`` takes positions ``r, r + R, ...``), and indices are handed out in chunks."""
+    (rank ``r`` takes positions ``r, r + R, ...``), and indices are handed out in chunks. Its
+    memory is the permutation: 4 bytes a row (8 beyond 2**31 rows)."""
 
     def __init__(self, num_rows: int, seed: int = 0, num_replicas: int = 1, rank: int = 0):
         super().__init__(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
@@ -212,7 +213,8 @@ class ShardSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)
+        rows = len(self.dataset)  # int32 when it fits: 4 bytes a row (the same permutation as int64)
+        order = torch.randperm(rows, generator=generator, dtype=torch.int32 if rows < 2**31 else torch.int64)
         mine = order[self.rank : self.total_size : self.num_replicas][self.start :]
         for at in range(0, len(mine), 8192):
             yield from mine[at : at + 8192].tolist()
