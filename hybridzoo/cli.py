@@ -6,6 +6,7 @@
     hybridzoo generate DIR --prompt TEXT      sample a continuation
     hybridzoo recipes                         list the packaged recipes
     hybridzoo convert SRC OUT                 convert a Hugging Face / mamba_ssm checkpoint
+    hybridzoo prepare SRC OUT                 tokenize a corpus once into shards (--data.prepared OUT)
     hybridzoo demo                            every reference kernel against its step loop
 
 ``fit`` / ``validate`` / ``test`` take LightningCLI arguments: ``hybridzoo fit --help``.
@@ -30,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                                      description="hybridzoo: hybrid recurrent language models "
                                                  "(train, evaluate, generate, convert).",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:10]))
+                                     epilog="\n".join(__doc__.splitlines()[2:11]))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in LIGHTNING_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -74,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="source checkpoint directory")
     convert.add_argument("out", help="output directory (model.safetensors + config.json)")
 
+    from hybridzoo.training.prepare_args import add_prepare_arguments
+
+    add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus once, on all cores, into token "
+                                                         "shards for hybridzoo fit --data.prepared OUT"))
+
     demo = sub.add_parser("demo", help="run every reference kernel against its step loop and print a report")
     demo.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     return parser
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         return generate_command(args)
     if args.command == "recipes":
         return _recipes()
+    if args.command == "prepare":
+        from hybridzoo.training.prepare import prepare_command
+
+        return prepare_command(args)
     if args.command == "convert":
         return _convert(args.src, args.out)
     return 2  # pragma: no cover (argparse rejects unknown commands)

@@ -30,6 +30,15 @@ Text (:class:`TextDataModule`)
     ``.parquet`` (a ``"text"`` column, needs pyarrow), any other file is one text document;
     directories are searched recursively for ``.txt``, ``.jsonl`` and ``.parquet`` files.
 
+Prepared sets
+    ``prepared=DIR`` streams a set written by ``hybridzoo prepare`` (:mod:`hybridzoo.training.prepare`)
+    instead of reading ``paths``: rows of ``seq_len`` tokens are read from its Arrow shards on
+    demand (:mod:`hybridzoo.training.shards`), in ``packing="stream"`` or, with document
+    boundaries cut at row edges, ``packing="documents"``; validation reads the set's held-out
+    documents; ``tokenizer=None`` uses the set's tokenizer, and another tokenizer than the set's
+    is refused. The order is :class:`~hybridzoo.training.shards.ShardSampler`'s (below, without
+    padding the last rank: the ranks' rows are disjoint).
+
 Data order and resuming
     Training rows are shuffled by a permutation seeded with ``seed + epoch`` (``torch.randperm``
     through :class:`torch.utils.data.DistributedSampler`, so each rank of a multi-GPU run gets
@@ -373,6 +382,8 @@ class ResumableLoader(DataLoader):
 class _ResumableDataModule(L.LightningDataModule):
     """Shared training-loader logic: seeded order, rank slicing, resumable position."""
 
+    _sampler_class = ResumableSampler
+
     def __init__(self):
         super().__init__()
         self._train_set: Dataset | None = None
@@ -392,7 +403,7 @@ class _ResumableDataModule(L.LightningDataModule):
         if self._train_set is None:
             self.setup("fit")
         world_size, rank = self._ranks()
-        sampler = ResumableSampler(len(self._train_set), seed=self.seed, num_replicas=world_size, rank=rank)
+        sampler = self._sampler_class(len(self._train_set), seed=self.seed, num_replicas=world_size, rank=rank)
         loader = ResumableLoader(self._train_set, self.batch_size, sampler, num_workers=self.num_workers)
         if self._resume_state:
             loader.load_state_dict(self._resume_state)
@@ -444,6 +455,8 @@ class TextDataModule(_ResumableDataModule):
         packing: ``"stream"`` (rows cut from one token stream, documents read each other) or
             ``"documents"`` (rows with document boundaries and ``position_ids``; needed for
             fine-tuning samples). See the module docstring.
+        prepared: a directory written by ``hybridzoo prepare`` (instead of ``paths``): its token
+            shards are streamed from disk (see "Prepared sets" in the module docstring).
     """
 
     def __init__(
@@ -457,8 +470,11 @@ class TextDataModule(_ResumableDataModule):
         num_workers: int = 0,
         max_files: int | None = None,
         packing: str = "stream",
+        prepared: str | None = None,
     ):
         super().__init__()
+        if prepared is not None and paths is not None:
+            raise ValueError("give the data as paths (read at start-up) or as prepared (a prepared set), not both")
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(map(repr, PACKINGS))}, got {packing!r}")
         if isinstance(paths, (str, Path)):
@@ -481,13 +497,24 @@ class TextDataModule(_ResumableDataModule):
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.seed, self.num_workers, self.max_files = seed, num_workers, max_files
         self.packing = packing
+        self.prepared = str(prepared) if prepared is not None else None
+        self._prepared = None
+        if prepared is not None:
+            from hybridzoo.training.manifest import PreparedSet
+            from hybridzoo.training.shards import ShardSampler
+
+            self._prepared = PreparedSet(prepared)
+            self._sampler_class = ShardSampler
         self._tokenizer: Tokenizer | None = None
         self.save_hyperparameters()
 
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.tokenizer_spec)
+            if self._prepared is None:
+                self._tokenizer = load_tokenizer(self.tokenizer_spec)
+            else:
+                self._tokenizer = _prepared_tokenizer(self._prepared, self.tokenizer_spec)
         return self._tokenizer
 
     @property
@@ -506,6 +533,8 @@ class TextDataModule(_ResumableDataModule):
     @property
     def source(self) -> str:
         """Where the data comes from, in words (for messages)."""
+        if self._prepared is not None:
+            return f"the prepared set {self.prepared}"
         if self.paths is None:
             return f"the embedded stdlib corpus ({sysconfig.get_paths()['stdlib']})"
         return ", ".join(self.paths)
@@ -530,6 +559,8 @@ class TextDataModule(_ResumableDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._train_set is not None:
             return
+        if self._prepared is not None:
+            return self._setup_prepared()
         docs = self.documents()
         if not docs:
             raise ValueError(f"{self.source}: no text")
@@ -585,6 +616,43 @@ class TextDataModule(_ResumableDataModule):
         elif real and not any(isinstance(d, Sample) for d in val_docs):
             self.bytes_per_token = _utf8_bytes(val_docs) / real
         self._train_set, self._val_set = train, val
+
+
+    def _setup_prepared(self) -> None:
+        """Rows streamed from a prepared set's shards; its own held-out documents validate."""
+        from hybridzoo.training.shards import ShardRows, open_split
+
+        prepared = self._prepared
+        tokenizer = self.tokenizer  # checks the run's tokenizer against the set's
+        model = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        prepared.check_vocab(int(vocab) if vocab is not None else tokenizer.vocab_size)
+        train = ShardRows(open_split(prepared, "train"), self.seq_len, self.packing)
+        val = ShardRows(open_split(prepared, "val"), self.seq_len, self.packing)
+        for name, rows, stream in (("training", train, train.stream), ("validation", val, val.stream)):
+            if len(rows) == 0:
+                raise ValueError(
+                    f"{self.source}: the {name} split has {len(stream)} tokens; one row of seq_len={self.seq_len} "
+                    f"needs {self.seq_len}. Use a smaller seq_len, more data"
+                    + (", or prepare with a larger --val-fraction" if name == "validation" else ""))
+        text_bytes = prepared.manifest["splits"]["val"].get("text_bytes")
+        self.bytes_per_token = 1.0 if isinstance(tokenizer, ByteTokenizer) else (
+            text_bytes / len(val.stream) if text_bytes else None)
+        self._train_set, self._val_set = train, val
+
+
+def _prepared_tokenizer(prepared, spec: str | None) -> Tokenizer:
+    """The run's tokenizer for a prepared set: ``spec`` (checked against the set's manifest), or,
+    when None, the set's own (the byte tokenizer, or the directory it was prepared with)."""
+    if spec is None:
+        name = prepared.tokenizer["name"]
+        if name != "bytes" and not Path(name).exists():
+            raise FileNotFoundError(f"{prepared.path}: the set was prepared with tokenizer {name!r}, which no "
+                                    "longer exists there; pass data.tokenizer (the same tokenizer)")
+        spec = None if name == "bytes" else name
+    tokenizer = load_tokenizer(spec)
+    prepared.check_tokenizer(tokenizer)
+    return tokenizer
 
 
 def _utf8_bytes(docs: Sequence[Document]) -> int:
