@@ -1,19 +1,25 @@
 """Streaming a prepared set: the token stream equals the documents, rows (stream and packed with
-boundaries), a seeded order, disjoint ranks, loader workers, validation apart from training, exact
-resume from a Lightning checkpoint, and clear errors (another tokenizer, a model too small for
+boundaries), a seeded order, disjoint ranks (also in 2 DDP processes), loader workers, validation
+apart from training, exact resume from a Lightning checkpoint in both packings, and clear errors (another tokenizer, a model too small for
 the vocabulary, too little data)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from hybridzoo.cli import main
 from hybridzoo.training.data import TextDataModule
 from hybridzoo.training.manifest import PreparedSet
 from hybridzoo.training.prepare import prepare
 from hybridzoo.training.shards import ShardRows, ShardSampler, open_split
-from tests.training.test_cli import QUIET, write_recipe
+from tests.training.test_cli import QUIET, ROOT, write_recipe
 from tests.training.test_prepare import docs_of, read_split, write_jsonl
 
 pytest.importorskip("datasets")
@@ -122,6 +128,30 @@ def test_data_module_ranks_workers_and_validation(prepared):
     assert dm.vocab_size == 256 and dm.bytes_per_token == 1.0
 
 
+def test_documents_batches_restart_positions_at_each_document(prepared):
+    """A batch of the data module's loader (packing="documents"): position_ids count from the
+    last document start (or the row start) and labels are -100 there, checked against the
+    documents read back through Hugging Face datasets."""
+    tokens = b"".join(documents(prepared, "train"))
+    starts = set(np.cumsum([0] + [len(d) for d in documents(prepared, "train")]).tolist())
+    dm = TextDataModule(prepared=str(prepared), seq_len=SEQ, batch_size=32, packing="documents")
+    loader = dm.train_dataloader()
+    batch, indices = next(iter(loader)), list(loader.sampler)[:32]
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert all(t.shape == (32, SEQ) and t.dtype == torch.int64 for t in batch.values())
+    boundaries = 0
+    for b, i in enumerate(indices):
+        assert bytes(batch["input_ids"][b].tolist()) == tokens[i * SEQ:(i + 1) * SEQ]
+        position = -1
+        for t in range(SEQ):
+            start = t == 0 or i * SEQ + t in starts
+            boundaries += start and t > 0
+            position = 0 if start else position + 1
+            assert int(batch["position_ids"][b, t]) == position
+            assert int(batch["labels"][b, t]) == (-100 if start else tokens[i * SEQ + t])
+    assert boundaries  # some document starts inside a row
+
+
 def test_wrong_tokenizer_small_model_and_small_corpus(prepared, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -164,25 +194,75 @@ def _last(root):
     return torch.load(newest, map_location="cpu", weights_only=True)
 
 
-def test_half_then_resume_is_bit_for_bit(prepared, tmp_path):
+@pytest.mark.parametrize("packing", ["stream", "documents"])
+def test_half_then_resume_is_bit_for_bit(prepared, tmp_path, packing):
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                   "init_args": {"save_last": True, "every_n_train_steps": 1}}
     stop = {"class_path": "tests.training.test_resume.StopAt", "init_args": {"step": HALF}}
-    assert main(["fit", "--config", str(_prepared_recipe(tmp_path, tmp_path / "ref", prepared, [checkpoint])),
-                 *QUIET]) == 0
+    def recipe(root, callbacks):
+        return str(_prepared_recipe(tmp_path, root, prepared, callbacks, packing))
+
+    assert main(["fit", "--config", recipe(tmp_path / "ref", [checkpoint]), *QUIET]) == 0
     reference = _last(tmp_path / "ref")
     assert reference["global_step"] == N
 
-    assert main(["fit", "--config", str(_prepared_recipe(tmp_path, tmp_path / "run", prepared, [checkpoint, stop])),
-                 *QUIET]) == 0
+    assert main(["fit", "--config", recipe(tmp_path / "run", [checkpoint, stop]), *QUIET]) == 0
     half = next((tmp_path / "run").rglob("last.ckpt"))
     at_half = _last(tmp_path / "run")
     assert at_half["global_step"] == HALF
-    assert main(["fit", "--config", str(_prepared_recipe(tmp_path, tmp_path / "run", prepared, [checkpoint])),
-                 "--ckpt_path", str(half), *QUIET]) == 0
+    assert main(["fit", "--config", recipe(tmp_path / "run", [checkpoint]), "--ckpt_path", str(half), *QUIET]) == 0
     final = _last(tmp_path / "run")
     assert final["global_step"] == N
     for name, value in reference["state_dict"].items():
         assert torch.equal(final["state_dict"][name], value), name
     # the second half mattered: the weights at HALF differ from the final ones
     assert any(not torch.equal(at_half["state_dict"][k], v) for k, v in final["state_dict"].items())
+
+
+class SaveRankRows(Callback):
+    """Each rank writes the ``input_ids`` rows it trained on, in order, to ``<dirpath>/rows<r>.pt``
+    (int64 ``[rows, T]``), with the keys of its batches."""
+
+    def __init__(self, dirpath: str):
+        self.dirpath, self.rows, self.keys = dirpath, [], set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rows.append(batch["input_ids"].clone())
+        self.keys.update(batch)
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.save({"rows": torch.cat(self.rows), "keys": sorted(self.keys), "world_size": trainer.world_size},
+                   Path(self.dirpath) / f"rows{trainer.global_rank}.pt")
+
+
+def test_ddp_two_cpu_processes_read_disjoint_rows_covering_the_epoch(tmp_path):
+    """``hybridzoo fit`` with Lightning's DDP over 2 CPU processes (gloo) on a prepared set in
+    packing="documents" for one epoch: the ranks' rows are disjoint and together are every row
+    of the training split but the ``rows % 2`` remainder."""
+    texts = [" ".join(f"{i:02d}{j:03d}" for j in range(4 + i % 7)) for i in range(14)]  # words unique
+    prepare([write_jsonl(tmp_path / "c.jsonl", texts)], tmp_path / "set", workers=1, val_fraction=0.2,
+            progress=False)
+    expected = [tuple(r["input_ids"].tolist())
+                for r in ShardRows(open_split(PreparedSet(tmp_path / "set"), "train"), SEQ, "documents")]
+    assert len(set(expected)) == len(expected) >= 8  # distinct rows: a row's content names its index
+    callbacks = [{"class_path": "tests.training.test_shards.SaveRankRows", "init_args": {"dirpath": str(tmp_path)}}]
+    recipe = _prepared_recipe(tmp_path, tmp_path / "run", tmp_path / "set", callbacks, packing="documents")
+    recipe_dict = yaml.safe_load(recipe.read_text())
+    recipe_dict["trainer"].update(max_steps=-1, max_epochs=1)
+    recipe.write_text(yaml.safe_dump(recipe_dict))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "hybridzoo.cli", "fit", "--config", str(recipe),
+                          "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+                          *QUIET], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = []
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rows{rank}.pt", weights_only=True)
+        assert saved["world_size"] == 2
+        assert saved["keys"] == ["input_ids", "labels", "position_ids"]
+        rows = [tuple(r) for r in saved["rows"].tolist()]
+        assert len(rows) == len(expected) // 2
+        seen.append({expected.index(r) for r in rows})  # ValueError: a row not in the split
+    assert not seen[0] & seen[1]
+    assert len(seen[0] | seen[1]) == len(expected) - len(expected) % 2
