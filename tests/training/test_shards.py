@@ -1,7 +1,7 @@
 """Streaming a prepared set: the token stream equals the documents, rows (stream and packed with
 boundaries), a seeded order, disjoint ranks (also in 2 DDP processes), loader workers, validation
-apart from training, exact resume from a Lightning checkpoint in both packings, and clear errors (another tokenizer, a model too small for
-the vocabulary, too little data)."""
+apart from training, exact resume from a Lightning checkpoint in both packings, and clear errors
+(another tokenizer, a model too small for the vocabulary, too little data)."""
 
 import os
 import subprocess
