@@ -27,6 +27,7 @@ __all__ = [
     "check_packed",
     "cu_seqlens_from_position_ids",
     "prepare_chunk_indices",
+    "chunk_tables",
     "seq_idx_from_cu_seqlens",
     "split_documents",
 ]
@@ -176,3 +177,32 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
     first = torch.cumsum(counts, 0) - counts  # the index of each document's first chunk
     within = torch.arange(n_chunks, device=cu_seqlens.device) - first[doc]
     return torch.stack([doc, within], dim=1).to(torch.int32)
+
+
+# (id, version, chunk size) of a cu_seqlens tensor -> (that tensor, its chunk_tables); small, bounded
+_TABLES: dict[tuple, tuple] = {}
+_MAX_TABLES = 64
+
+
+def chunk_tables(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial,
+    no padding), as the Triton chunk kernels read it: ``(cu_seqlens, chunk_indices [n_chunks, 2],
+    chunk_offsets [N + 1])`` int32 on ``cu_seqlens``' device: (document, chunk within the document)
+    of every chunk (:func:`prepare_chunk_indices`) and the first chunk of each document
+    (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``.
+
+    Building them reads the chunk count on the host (a device sync on CUDA), so the tables of a
+    ``cu_seqlens`` tensor are remembered until it is modified in place: every layer of a forward,
+    and the backward, reuse them, as :func:`check_cu_seqlens` hands every layer the same tensor."""
+    key = (id(cu_seqlens), cu_seqlens._version, chunk_size)
+    seen = _TABLES.get(key)
+    if seen is not None and seen[0] is cu_seqlens:
+        return seen[1]
+    indices = prepare_chunk_indices(cu_seqlens, chunk_size).contiguous()
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    tables = (cu_seqlens.to(torch.int32).contiguous(), indices, offsets)
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = (cu_seqlens, tables)
+    return tables

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from hybridzoo.kernels.reference.delta_rule import _check
-from hybridzoo.kernels.varlen import check_packed, prepare_chunk_indices
+from hybridzoo.kernels.varlen import check_packed, chunk_tables
 from hybridzoo.kernels.triton import delta_rule_common, launch
 from hybridzoo.kernels.triton.delta_rule_bwd import delta_rule_backward
 from hybridzoo.kernels.triton.delta_rule_split import _state_fwd_split, split_fixed
@@ -220,34 +220,8 @@ def _output_kernel(q_ptr, k_ptr, la_ptr, h_ptr, vn_ptr, o_ptr, scale, T, N, cu_p
 _state_fwd = launch.autotuned(_state_fwd_kernel, STATE_CONFIGS, STATE_KEY, prune=prune_state_configs)
 
 
-# (id, version, chunk size) of a cu_seqlens tensor -> (that tensor, its chunk_grid); small, bounded
-_GRIDS: dict[tuple, tuple] = {}
-_MAX_GRIDS = 64
-
-
-def chunk_grid(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each packed document in its own grid of ``chunk_size``-token chunks (the last one partial,
-    no padding): ``(cu_seqlens, chunk_indices [n_chunks, 2], chunk_offsets [N + 1])`` int32 on
-    ``cu_seqlens``' device: (document, chunk within the document) of every chunk of the kernels'
-    grid (:func:`hybridzoo.kernels.varlen.prepare_chunk_indices`) and the first grid chunk of each
-    document (``chunk_offsets[-1] = n_chunks``). ``cu_seqlens``: validated int32 ``[N + 1]``.
-
-    Building it reads the chunk count on the host (a device sync on CUDA), so the grid of a
-    ``cu_seqlens`` tensor is remembered (until it is modified in place): every layer of a
-    forward, and the backward, reuse it, as :func:`~hybridzoo.kernels.varlen.check_cu_seqlens`
-    remembers its validation (which hands every layer the same tensor)."""
-    key = (id(cu_seqlens), cu_seqlens._version, chunk_size)
-    seen = _GRIDS.get(key)
-    if seen is not None and seen[0] is cu_seqlens:
-        return seen[1]
-    indices = prepare_chunk_indices(cu_seqlens, chunk_size).contiguous()
-    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
-    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
-    grid = (cu_seqlens.to(torch.int32).contiguous(), indices, offsets)
-    if len(_GRIDS) >= _MAX_GRIDS:
-        _GRIDS.clear()
-    _GRIDS[key] = (cu_seqlens, grid)
-    return grid
+# each packed document in its own chunk grid, remembered per cu_seqlens tensor (shared with linear attention)
+chunk_grid = chunk_tables
 
 
 def _chunk(chunk_size: int) -> int:

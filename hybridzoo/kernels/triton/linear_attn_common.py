@@ -116,35 +116,16 @@ class VarlenChunks(NamedTuple):
     loop_chunks: int
 
 
-_TABLES: dict[tuple, tuple] = {}  # (id(cu), version, C) -> (cu, tables): every layer of a step shares them
-_MAX_TABLES = 16
-
-
 def varlen_chunks(cu_seqlens: torch.Tensor, total: int, C: int, device) -> VarlenChunks:
     """Validate ``cu_seqlens`` (:func:`hybridzoo.kernels.varlen.check_cu_seqlens`) for ``total``
-    tokens and build the chunk tables of chunk size ``C`` (one host sync, as fla's; remembered
-    for the same ``cu_seqlens`` tensor, unmodified, so the layers of a model build them once)."""
-    from hybridzoo.kernels.varlen import check_cu_seqlens, prepare_chunk_indices
+    tokens and take the chunk tables of chunk size ``C`` (:func:`hybridzoo.kernels.varlen.chunk_tables`:
+    one host sync, as fla's, remembered for the same ``cu_seqlens`` tensor, so the layers of a
+    model build them once)."""
+    from hybridzoo.kernels.varlen import check_cu_seqlens, chunk_tables
 
-    cu = check_cu_seqlens(cu_seqlens, total, device)
-    key = (id(cu), cu._version, C, launch.interpret())
-    seen = _TABLES.get(key)
-    if seen is not None and seen[0] is cu:
-        return seen[1]
-    tables = _build_tables(cu, C, prepare_chunk_indices)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
-    _TABLES[key] = (cu, tables)
-    return tables
-
-
-def _build_tables(cu: torch.Tensor, C: int, prepare_chunk_indices) -> VarlenChunks:
-    """The tables of :class:`VarlenChunks` from a validated int32 ``cu`` (on the kernels' device)."""
-    chunk_idx = prepare_chunk_indices(cu, C).to(dtype=torch.int32).contiguous()
-    counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
-    chunk_off = (torch.cumsum(counts, 0) - counts).to(torch.int32).contiguous()
-    loop_chunks = int(counts.max()) if launch.interpret() else 0
-    return VarlenChunks(cu, chunk_idx, chunk_off, cu.numel() - 1, chunk_idx.shape[0], loop_chunks)
+    cu, chunk_idx, offsets = chunk_tables(check_cu_seqlens(cu_seqlens, total, device), C)
+    loop_chunks = int((offsets[1:] - offsets[:-1]).max()) if launch.interpret() else 0
+    return VarlenChunks(cu, chunk_idx, offsets[:-1], cu.numel() - 1, chunk_idx.shape[0], loop_chunks)
 
 
 @triton.jit
