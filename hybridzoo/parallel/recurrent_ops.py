@@ -103,17 +103,22 @@ def chunk_linear_attn(q, k, v, log_a=None, *, scale=None, initial_state=None,
     B, T, Hk, K = q.shape
     H = v.shape[2]
     dtype = s_loc.dtype
-    if log_a is None:
-        cum = torch.zeros(B, T, H, 1, dtype=dtype, device=q.device)
-    else:
-        cum = log_a.to(dtype).cumsum(1)
-        cum = cum[..., None] if log_a.dim() == 3 else cum                # [B, T, H, 1 or K]
+    cum = _cumulative_log_decay(log_a, B, T, H, dtype, q.device)        # [B, T, H, 1 or K]
     a = torch.exp(cum[:, -1])[..., None]                                 # [B, H, 1 or K, 1]
     s_in = _incoming("diag", a, s_loc, initial_state, rank, group, method)
     scale = K ** -0.5 if scale is None else scale
     q_dec = q.to(dtype).repeat_interleave(H // Hk, dim=2) * torch.exp(cum)  # [B, T, H, K]
     o = o_loc + (scale * torch.einsum("bthk,bhkv->bthv", q_dec, s_in)).to(o_loc.dtype)
     return o, (a * s_in + s_loc if output_final_state else None)
+
+
+def _cumulative_log_decay(log_a, B: int, T: int, H: int, dtype, device) -> torch.Tensor:
+    """The running sum of the log decays over the first ``T`` tokens, ``[B, T, H, 1]`` (no decay:
+    zeros; one decay per head) or ``[B, T, H, K]`` (one per key), in ``dtype``."""
+    if log_a is None:
+        return torch.zeros(B, T, H, 1, dtype=dtype, device=device)
+    cum = log_a[:, :T].to(dtype).cumsum(1)
+    return cum[..., None] if log_a.dim() == 3 else cum
 
 
 def _packed_linear_attn(q, k, v, log_a, scale, output_final_state, chunk_size, backend, group, method,
@@ -126,11 +131,7 @@ def _packed_linear_attn(q, k, v, log_a, scale, output_final_state, chunk_size, b
     B, T, Hk, K = q.shape
     H = v.shape[2]
     dtype = s_docs.dtype
-    if log_a is None:
-        cum = torch.zeros(B, first, H, 1, dtype=dtype, device=q.device)
-    else:
-        cum = log_a[:, :first].to(dtype).cumsum(1)
-        cum = cum[..., None] if log_a.dim() == 3 else cum                # [1, first, H, 1 or K]
+    cum = _cumulative_log_decay(log_a, B, first, H, dtype, q.device)    # [1, first, H, 1 or K]
     a_first = torch.exp(cum[:, -1])[..., None]                           # [1, H, 1 or K, 1]
     a = a_first * (cont if len(cu) == 2 else 0.0)
     s_in = _incoming("diag", a, s_docs[-1:], None, rank, group, method) * cont
