@@ -3,7 +3,6 @@ LightningModule passing the boundaries on. Ground truths are built here from the
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
@@ -188,8 +187,6 @@ def test_language_model_passes_position_ids_on():
     assert module._val_sums[1].item() == 2 * 5
 
 
-@pytest.mark.skipif("position_ids" not in inspect.signature(__import__("hybridzoo.zoo", fromlist=["HybridLM"]).HybridLM.forward).parameters,
-                    reason="needs model57 (HybridLM taking position_ids)")
 def test_packed_batch_trains_like_separate_documents():
     """A row of two documents gives the loss of the two documents run separately."""
     from hybridzoo.zoo import HybridConfig, HybridLM
